@@ -1,0 +1,1 @@
+"""Reading and writing checkpoints in the public MLX / Hugging Face layouts."""

@@ -1,0 +1,66 @@
+"""Pull ``mtp.*`` out of an original-layout (Hugging Face) checkpoint into its own quantized file.
+
+mlx-lm's converter drops ``mtp.*``; this writes them in the form ``mtp.load_mtp`` reads: per-expert tensors
+stacked into ``mtp.layers.0.mlp.switch_mlp.*``, zero-centred norms turned into ``1 + w`` exactly once, and
+the same quantization as the main model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict
+
+import mlx.core as mx
+from mlx_lm.models.qwen3_next import Model, ModelArgs
+
+from ..errors import CheckpointError, MissingTensorError
+from ..mtp.head import MTPHead, is_zero_centred
+from .quantize import BITS, quant_plan, quantize_weights
+from .safetensors import read_checkpoint_headers
+
+MTP_FILE = "mtp.safetensors"
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: int = BITS) -> Dict[str, mx.array]:
+    """Original-layout ``mtp.*`` tensors -> the MLX layout (still ``mtp.``-prefixed), quantized."""
+    weights = {k.removeprefix("mtp."): v for k, v in hf_weights.items() if k.startswith("mtp.")}
+    prefix = "layers.0.mlp"
+    for proj in EXPERT_PROJS:
+        names = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(args.num_experts)]
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise MissingTensorError(f"mtp.{missing[0]}: expert tensor of the MTP layer is missing")
+        weights[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([weights.pop(n) for n in names])
+    for name, value in weights.items():
+        if is_zero_centred(name):
+            weights[name] = value + 1.0
+    template = MTPHead(args)
+    predicate = Model(args).quant_predicate
+
+    def with_bits(path, module):
+        choice = predicate(path, module)
+        return choice if isinstance(choice, dict) else {"group_size": 64, "bits": bits}
+
+    quantized = quantize_weights(weights, quant_plan(template, with_bits))
+    return {f"mtp.{k}": v for k, v in quantized.items()}
+
+
+def extract_mtp(hf_dir: Path, out_file: Path, bits: int = BITS) -> Path:
+    """``mlx-streaming extract-mtp``: read the original checkpoint's ``mtp.*`` lazily, write ``out_file``."""
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path}: missing (extract-mtp needs the original checkpoint's config)")
+    config = json.loads(config_path.read_text())
+    tensors = read_checkpoint_headers(hf_dir)
+    shards = sorted({t.path for name, t in tensors.items() if name.startswith("mtp.")})
+    if not shards:
+        raise MissingTensorError(f"{hf_dir}: no mtp.* tensor in any shard")
+    hf_weights = {}
+    for shard in shards:
+        hf_weights.update({k: v for k, v in mx.load(str(shard)).items() if k.startswith("mtp.")})
+    weights = convert_mtp(hf_weights, ModelArgs.from_dict(config), bits)
+    mx.save_safetensors(str(out_file), weights, metadata={"format": "mlx"})
+    return Path(out_file)

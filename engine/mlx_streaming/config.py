@@ -1,0 +1,106 @@
+"""StreamingConfig: every engine knob in one dataclass.
+
+CLI flags, pytest options and the seed's environment names all map onto these fields; code below this
+module reads the config object, never ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from .errors import ConfigError
+
+IO_MODES = ("buffered", "direct")
+
+#: Memory kept free for KV caches, activations and temporaries when the pool size is derived from
+#: ``memory_budget``: the pool gets ``memory_budget - dense weights - memory_allowance``.
+DEFAULT_MEMORY_ALLOWANCE = 512 << 20
+
+
+@dataclass
+class StreamingConfig:
+    """Engine settings. ``None`` for every pool knob means: one slot per expert (everything resident)."""
+
+    #: Experts each MoE layer keeps resident. At most one of pool_slots / pool_bytes / memory_budget.
+    pool_slots: Optional[int] = None
+    #: Bytes of expert weights all MoE layers together keep resident.
+    pool_bytes: Optional[int] = None
+    #: Bytes the whole process may use; the pool gets what the dense weights and the allowance leave.
+    memory_budget: Optional[int] = None
+    memory_allowance: int = DEFAULT_MEMORY_ALLOWANCE
+    #: ``buffered`` reads through the page cache; ``direct`` bypasses it (O_DIRECT / F_NOCACHE).
+    io_mode: str = "buffered"
+    #: Count every routed (layer, expert) so that ``store.hot(layer, n)`` can name the hottest experts.
+    record: bool = False
+    #: Prompt tokens per forward during prefill.
+    prefill_chunk: int = 256
+    max_tokens: int = 64
+    prompt: str = "def fibonacci(n):"
+    #: Pin the ``pin_hot`` hottest experts of every layer, found by a calibration run of ``pin_cal_tokens``.
+    pin_hot: int = 0
+    pin_cal_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.io_mode not in IO_MODES:
+            raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
+        sizing = [n for n in ("pool_slots", "pool_bytes", "memory_budget") if getattr(self, n) is not None]
+        if len(sizing) > 1:
+            raise ConfigError(f"set at most one of pool_slots, pool_bytes, memory_budget; got {', '.join(sizing)}")
+        for name in ("pool_slots", "pool_bytes", "memory_budget"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        for name in ("prefill_chunk", "max_tokens", "pin_cal_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pin_hot < 0 or self.memory_allowance < 0:
+            raise ConfigError("pin_hot and memory_allowance must not be negative")
+
+    def replace(self, **changes) -> "StreamingConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "StreamingConfig":
+        """The seed's environment names, as a fallback under explicit ``overrides``."""
+        values = {}
+        for env_name, (field_name, parse) in ENV_NAMES.items():
+            if env_name in environ and environ[env_name] != "":
+                try:
+                    values[field_name] = parse(environ[env_name])
+                except ValueError as exc:
+                    raise ConfigError(f"environment variable {env_name}={environ[env_name]!r}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def parse_size(text: str) -> int:
+    """``"8G"``, ``"512M"``, ``"1.5GB"`` or plain bytes -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    if s and s[-1] in units:
+        return int(float(s[:-1]) * units[s[-1]])
+    return int(s)
+
+
+def _flag(text: str) -> bool:
+    return text.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+ENV_NAMES = {
+    "MAXTOK": ("max_tokens", int),
+    "PROMPT": ("prompt", str),
+    "POOL_SLOTS": ("pool_slots", int),
+    "POOL_BYTES": ("pool_bytes", parse_size),
+    "MEMORY_BUDGET": ("memory_budget", parse_size),
+    "IO_MODE": ("io_mode", str),
+    "PREFILL_CHUNK": ("prefill_chunk", int),
+    "PIN_HOT": ("pin_hot", int),
+    "PIN_CAL_TOK": ("pin_cal_tokens", int),
+    "RECORD": ("record", _flag),
+}
