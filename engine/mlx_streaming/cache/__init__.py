@@ -1,0 +1,1 @@
+"""The resident expert pool: slots, eviction, pinning, statistics."""

@@ -1,0 +1,60 @@
+"""Slot bookkeeping and LRU eviction for one MoE layer's pool. Pure Python: no MLX, no I/O."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Collection, Dict, List, Optional, Tuple
+
+from ..errors import PoolTooSmallError
+
+
+class LRUSlots:
+    """Which expert sits in which of ``capacity`` slots; unpinned residents are evicted least recently used first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._slot_of: Dict[int, int] = {}
+        self._recency: "OrderedDict[int, None]" = OrderedDict()  # unpinned residents, oldest first
+        self._pinned: set = set()
+        self._free: List[int] = list(range(capacity - 1, -1, -1))
+
+    def slot(self, expert: int) -> Optional[int]:
+        return self._slot_of.get(expert)
+
+    def touch(self, expert: int) -> None:
+        if expert in self._recency:
+            self._recency.move_to_end(expert)
+
+    def place(self, expert: int, protected: Collection[int] = ()) -> Tuple[int, Optional[int]]:
+        """Give a slot to a non-resident ``expert``: a free one, else the LRU unpinned expert's that is not
+        ``protected`` (the experts the current step needs). Returns (slot, evicted expert or None)."""
+        if expert in self._slot_of:
+            raise ValueError(f"expert {expert} is already resident")
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            evicted = next((e for e in self._recency if e not in protected), None)
+            if evicted is None:
+                raise PoolTooSmallError(
+                    f"pool of {self.capacity} slots: every slot holds a pinned or in-use expert, none can be evicted"
+                )
+            slot = self._slot_of.pop(evicted)
+            del self._recency[evicted]
+        self._slot_of[expert] = slot
+        self._recency[expert] = None
+        return slot, evicted
+
+    def pin(self, expert: int) -> None:
+        """Keep a resident expert forever."""
+        if expert not in self._slot_of:
+            raise ValueError(f"expert {expert} must be resident to be pinned")
+        self._recency.pop(expert, None)
+        self._pinned.add(expert)
+
+    @property
+    def pinned(self) -> frozenset:
+        return frozenset(self._pinned)
+
+    def resident(self) -> List[int]:
+        return list(self._slot_of)

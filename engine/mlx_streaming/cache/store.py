@@ -1,0 +1,129 @@
+"""ExpertStore: per MoE layer, pool arrays with ``capacity`` slots per expert tensor, filled from disk.
+
+The pool arrays are what the streaming switch computes with; ``acquire`` makes the requested experts
+resident and says which slot holds each. Bytes are read before any slot changes hands, so a failed read
+leaves the pool as it was. Writing a slot (``pool[slot] = x``) updates the array in place because nothing
+else holds its buffer between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..checkpoint.experts import ExpertIndex
+from ..errors import PoolTooSmallError
+from ..io.reader import ExpertReader
+from .policy import LRUSlots
+
+_NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+_MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
+
+
+def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
+    arr = mx.array(buf.view(_NP_DTYPES[dtype]).reshape(shape))
+    return arr.view(mx.bfloat16) if dtype == "BF16" else arr
+
+
+class ExpertStore:
+    COUNTERS = ("hits", "misses", "evictions", "bytes_read", "fastpath", "fallback")
+
+    def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False):
+        if capacity < top_k:
+            raise PoolTooSmallError(
+                f"pool_slots={capacity} is below num_experts_per_tok={top_k}: one token needs {top_k} experts resident"
+            )
+        self.index, self.reader, self.top_k = index, reader, top_k
+        self.capacity = min(capacity, index.num_experts)
+        self.pools: Dict[int, Dict[str, mx.array]] = {
+            layer: {
+                name: mx.zeros((self.capacity, *shape), dtype=_MX_DTYPES[dtype])
+                for name, (dtype, shape) in index.tensor_specs.items()
+            }
+            for layer in index.layers
+        }
+        mx.eval(self.pools)
+        self.policies = {layer: LRUSlots(self.capacity) for layer in index.layers}
+        self.record = record
+        self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
+        self.reset_stats()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for pool in self.pools.values() for a in pool.values())
+
+    def reset_stats(self) -> None:
+        for name in self.COUNTERS:
+            setattr(self, name, 0)
+        self.layer_misses = {layer: 0 for layer in self.pools}
+
+    def stats(self) -> dict:
+        return {name: getattr(self, name) for name in self.COUNTERS}
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
+        """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
+        policy = self.policies[layer]
+        missing = [e for e in experts if policy.slot(e) is None]
+        loose = sum(e not in policy.pinned for e in experts)
+        if loose > self.capacity - len(policy.pinned):
+            raise PoolTooSmallError(
+                f"layer {layer}: {loose} unpinned experts needed at once, but the pool has "
+                f"{self.capacity - len(policy.pinned)} unpinned slots (pool_slots={self.capacity})"
+            )
+        if self.record:
+            self._routed[layer][list(experts)] += 1
+        self.hits += len(experts) - len(missing)
+        for e in experts:
+            policy.touch(e)
+        if missing:
+            self._load(layer, missing, protected=set(experts))
+        return [policy.slot(e) for e in experts]
+
+    def _load(self, layer: int, experts: List[int], protected: set) -> None:
+        slices = [s for e in experts for s in self.index.slices(layer, e)]
+        buffers = self.reader.read([(s.path, s.offset, s.nbytes) for s in slices])
+        pool, policy = self.pools[layer], self.policies[layer]
+        per_expert = len(slices) // len(experts)
+        for i, expert in enumerate(experts):
+            slot, evicted = policy.place(expert, protected)
+            self.evictions += evicted is not None
+            for s, buf in zip(slices[i * per_expert:(i + 1) * per_expert], buffers[i * per_expert:(i + 1) * per_expert]):
+                pool[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
+        mx.eval(list(pool.values()))
+        self.misses += len(experts)
+        self.layer_misses[layer] += len(experts)
+        self.bytes_read += sum(s.nbytes for s in slices)
+
+    def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
+        """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""
+        pinned = self.policies[layer].pinned
+        loose = [e for e in experts if e not in pinned]
+        room = self.capacity - len(pinned)
+        chunks = [loose[i:i + room] for i in range(0, len(loose), room)] or [[]]
+        chunks[0] = [e for e in experts if e in pinned] + chunks[0]
+        return chunks
+
+    def pin(self, layer: int, experts: Iterable[int]) -> None:
+        """Load and keep ``experts`` forever; at least ``top_k`` slots must stay unpinned."""
+        policy = self.policies[layer]
+        experts = [int(e) for e in experts]
+        total = len(policy.pinned | set(experts))
+        if total > self.capacity - self.top_k:
+            raise PoolTooSmallError(
+                f"layer {layer}: pinning {total} experts leaves fewer than num_experts_per_tok={self.top_k} "
+                f"of pool_slots={self.capacity} free"
+            )
+        self.acquire(layer, experts)
+        for e in experts:
+            policy.pin(e)
+
+    def recorded_layers(self) -> List[int]:
+        return [layer for layer, counts in self._routed.items() if counts.any()]
+
+    def hot(self, layer: int, n: int) -> List[int]:
+        """The ``n`` experts of ``layer`` most often acquired while ``record`` was on, hottest first."""
+        counts = self._routed[layer]
+        order = np.argsort(-counts, kind="stable")[:n]
+        return [int(e) for e in order if counts[e] > 0]

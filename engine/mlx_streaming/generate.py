@@ -1,0 +1,58 @@
+"""Greedy decoding over any mlx-lm model (in-memory or streaming): the oracle and the engine share it."""
+
+from __future__ import annotations
+
+from typing import Collection, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+
+def forward_with_hidden(model, ids: mx.array, cache) -> Tuple[mx.array, mx.array]:
+    """Logits and the final hidden state (after the model's final norm) for ``ids`` of shape [1, L]."""
+    hidden = model.model(ids, cache)
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(hidden), hidden
+    return model.lm_head(hidden), hidden
+
+
+def prefill_chunked(model, prompt_ids: Sequence[int], cache, chunk: int) -> Tuple[mx.array, mx.array]:
+    """Run the prompt ``chunk`` tokens per forward; return the last position's logits and hidden state."""
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
+    for start in range(0, len(prompt_ids), chunk):
+        logits, hidden = forward_with_hidden(model, mx.array([list(prompt_ids[start:start + chunk])]), cache)
+        mx.eval(logits, hidden)
+    return logits[0, -1], hidden[0, -1]
+
+
+def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chunk: int = 256) -> Iterator[Tuple[int, mx.array]]:
+    """Yield ``(token id, logits it was taken from)`` for each of ``max_tokens`` greedy steps."""
+    cache = model.make_cache()
+    logits, _ = prefill_chunked(model, prompt_ids, cache, prefill_chunk)
+    for step in range(max_tokens):
+        token = int(mx.argmax(logits))
+        yield token, logits
+        if step + 1 < max_tokens:
+            logits, _ = forward_with_hidden(model, mx.array([[token]]), cache)
+            logits = logits[0, -1]
+            mx.eval(logits)
+
+
+def top2_margin(logits: mx.array) -> Tuple[int, int, float]:
+    """(top-1 id, top-2 id, their logit gap) of one position's logits."""
+    top = mx.argsort(-logits.astype(mx.float32))[:2]
+    a, b = int(top[0]), int(top[1])
+    return a, b, float(logits[a].astype(mx.float32) - logits[b].astype(mx.float32))
+
+
+def greedy_generate(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chunk: int = 256,
+                    margins: Optional[list] = None, stop_ids: Collection[int] = ()) -> List[int]:
+    """Greedy token ids; with ``margins`` given, append each step's ``top2_margin`` to it."""
+    ids = []
+    for token, logits in greedy_steps(model, prompt_ids, max_tokens, prefill_chunk):
+        ids.append(token)
+        if margins is not None:
+            margins.append(top2_margin(logits))
+        if token in stop_ids:
+            break
+    return ids

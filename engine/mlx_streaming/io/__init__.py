@@ -1,0 +1,1 @@
+"""Bytes from disk: batched positional reads with or without the page cache."""

@@ -1,0 +1,118 @@
+"""build_streaming_model: the mlx-lm model with dense weights resident and experts streamed from disk.
+
+mlx-lm's own loader builds the model with every weight lazy (``mx.load`` reads nothing until evaluated).
+Each MoE block's ``switch_mlp`` is then replaced on this instance by a ``StreamingSwitchGLU`` over the
+store's pool, which drops the lazy expert arrays unread, and only then are the parameters evaluated: the
+dense weights load, the experts never do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+from mlx_lm.utils import load_model, load_tokenizer
+
+from .cache.store import ExpertStore
+from .checkpoint.experts import ExpertIndex
+from .checkpoint.safetensors import read_checkpoint_headers
+from .config import StreamingConfig
+from .errors import CheckpointError, ConfigMismatchError, MissingTensorError, PoolTooSmallError
+from .io.reader import ExpertReader
+from .moe.streaming_switch import StreamingSwitchGLU
+
+
+@dataclass
+class StreamingModel:
+    """The built model (an mlx-lm ``Model``), its tokenizer, its expert store, and what built them."""
+
+    model: object
+    tokenizer: object
+    store: ExpertStore
+    config: StreamingConfig
+    path: Path
+    model_config: dict
+    dense_bytes: int
+
+    def reset_stats(self) -> None:
+        self.store.reset_stats()
+
+    def close(self) -> None:
+        self.store.reader.close()
+
+    def __enter__(self) -> "StreamingModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_config(path: Path) -> dict:
+    config_path = Path(path) / "config.json"
+    try:
+        return json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: missing; a model folder needs config.json") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
+
+
+def moe_layer_prefixes(model) -> dict:
+    """``{layer id: switch_mlp tensor prefix}`` for every sparse MoE layer of an mlx-lm Qwen3-Next model."""
+    return {
+        i: f"model.layers.{i}.mlp.switch_mlp"
+        for i, layer in enumerate(model.layers)
+        if isinstance(layer.mlp, Qwen3NextSparseMoeBlock)
+    }
+
+
+def pool_capacity(config: StreamingConfig, num_experts: int, expert_bytes: int, moe_layers: int, dense_bytes: int) -> int:
+    """Slots per layer from whichever sizing knob is set (none: every expert resident)."""
+    if config.pool_slots is not None:
+        return config.pool_slots
+    if config.pool_bytes is not None:
+        return config.pool_bytes // (expert_bytes * moe_layers)
+    if config.memory_budget is not None:
+        left = config.memory_budget - dense_bytes - config.memory_allowance
+        if left <= 0:
+            raise PoolTooSmallError(
+                f"memory_budget={config.memory_budget} bytes is below the dense weights ({dense_bytes} bytes) "
+                f"plus memory_allowance ({config.memory_allowance} bytes)"
+            )
+        return left // (expert_bytes * moe_layers)
+    return num_experts
+
+
+def build_streaming_model(path, config: Optional[StreamingConfig] = None) -> StreamingModel:
+    path = Path(path)
+    config = config or StreamingConfig()
+    model_config = read_config(path)
+    tensors = read_checkpoint_headers(path)
+    try:
+        model, model_config = load_model(path, lazy=True, strict=True)
+    except ValueError as exc:
+        text = str(exc)
+        kind = MissingTensorError if "Missing" in text else ConfigMismatchError
+        raise kind(f"{path}: the shards do not match config.json: {text}") from None
+
+    prefixes = moe_layer_prefixes(model)
+    index = ExpertIndex(tensors, prefixes, model_config)
+    expert_names = set(index.expert_tensor_names())
+    dense_bytes = sum(t.nbytes for name, t in tensors.items() if name not in expert_names)
+    capacity = pool_capacity(config, index.num_experts, index.expert_bytes, len(prefixes), dense_bytes)
+    store = ExpertStore(index, ExpertReader(config.io_mode), capacity, model_config["num_experts_per_tok"], config.record)
+    for i in prefixes:
+        block = model.layers[i].mlp
+        block.switch_mlp = StreamingSwitchGLU(block.switch_mlp, i, store)
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(path)
+    return StreamingModel(model, tokenizer, store, config, path, model_config, dense_bytes)
+
+
+def parameter_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
