@@ -28,7 +28,9 @@ def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
 
 
 class ExpertStore:
-    COUNTERS = ("hits", "misses", "evictions", "bytes_read", "fastpath", "fallback")
+    #: fastpath / fallback: layer calls whose routed experts were all resident / were not;
+    #: grouped: layer calls that needed more experts than fit and ran in groups.
+    COUNTERS = ("hits", "misses", "evictions", "bytes_read", "fastpath", "fallback", "grouped")
 
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False):
         if capacity < top_k:

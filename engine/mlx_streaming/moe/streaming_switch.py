@@ -45,6 +45,7 @@ class StreamingSwitchGLU(nn.Module):
         if len(groups) == 1:
             self._slot_of[experts] = store.acquire(layer, experts)
             return self.pool_mlp(x, mx.array(self._slot_of[routed]))
+        store.grouped += 1
         y = None
         for group in groups:
             slots = store.acquire(layer, group)

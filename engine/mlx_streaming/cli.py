@@ -1,0 +1,115 @@
+"""The ``mlx-streaming`` console script: synth, generate, bench, extract-mtp."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import StreamingConfig, parse_size
+from .errors import StreamingError
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded default model)")
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--max-tokens", type=int, help="tokens to generate")
+    p.add_argument("--pool-slots", type=int, help="expert slots per MoE layer")
+    p.add_argument("--pool-bytes", type=parse_size, help="bytes of resident experts, e.g. 2G")
+    p.add_argument("--memory-budget", type=parse_size, help="bytes for the whole process, e.g. 24G")
+    p.add_argument("--io-mode", choices=("buffered", "direct"), help="read experts through the page cache or not")
+
+
+def _config(args) -> StreamingConfig:
+    return StreamingConfig.from_env(
+        prompt=args.prompt, max_tokens=args.max_tokens, pool_slots=args.pool_slots, pool_bytes=args.pool_bytes,
+        memory_budget=args.memory_budget, io_mode=args.io_mode,
+    )
+
+
+def _model_dir(args) -> Path:
+    from .defaults import synthetic_model
+
+    return args.model or synthetic_model()
+
+
+def cmd_synth(args) -> None:
+    from .checkpoint.synth import synth_checkpoint
+
+    out = synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout)
+    print(out)
+
+
+def cmd_generate(args) -> None:
+    from .generate import greedy_steps
+    from .model import build_streaming_model
+
+    config = _config(args)
+    with build_streaming_model(_model_dir(args), config) as sm:
+        tokenizer = sm.tokenizer
+        detok = tokenizer.detokenizer
+        detok.reset()
+        for token, _ in greedy_steps(sm.model, tokenizer.encode(config.prompt), config.max_tokens, config.prefill_chunk):
+            if token in tokenizer.eos_token_ids:
+                break
+            detok.add_token(token)
+            print(detok.last_segment, end="", flush=True)
+        detok.finalize()
+        print(detok.last_segment)
+        print(json.dumps(sm.store.stats()), file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+    from . import bench
+
+    rows = bench.run(_model_dir(args), _config(args), warmup=args.warmup, repeat=args.repeat)
+    print(bench.table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def cmd_extract_mtp(args) -> None:
+    from .checkpoint.mtp_extract import extract_mtp
+
+    print(extract_mtp(args.hf, args.out, bits=args.bits))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-streaming", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("synth", help="write a synthetic Qwen3-Next checkpoint")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "medium"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default="mlx", choices=("mlx", "hf"))
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("generate", help="greedy generation with streamed experts")
+    _add_engine_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="decode tok/s and expert traffic: in-memory vs streaming")
+    _add_engine_options(p)
+    p.add_argument("--warmup", type=int, default=8, help="warm-up tokens per scenario")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per scenario (median reported)")
+    p.add_argument("--json", help="write the full result here")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("extract-mtp", help="pull mtp.* out of an original-layout checkpoint")
+    p.add_argument("--hf", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--bits", type=int, default=4)
+    p.set_defaults(func=cmd_extract_mtp)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except StreamingError as exc:
+        print(f"mlx-streaming: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

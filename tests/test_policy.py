@@ -1,0 +1,60 @@
+"""LRU slot policy: pure Python, no MLX."""
+
+import pytest
+
+from mlx_streaming.cache.policy import LRUSlots
+from mlx_streaming.errors import PoolTooSmallError
+
+
+def test_free_slots_are_used_before_any_eviction():
+    p = LRUSlots(3)
+    placed = [p.place(e) for e in (10, 11, 12)]
+    assert sorted(slot for slot, _ in placed) == [0, 1, 2]
+    assert all(evicted is None for _, evicted in placed)
+
+
+def test_least_recently_used_is_evicted_and_its_slot_reused():
+    p = LRUSlots(2)
+    s10, _ = p.place(10)
+    p.place(11)
+    p.touch(10)  # 11 is now the oldest
+    slot, evicted = p.place(12)
+    assert evicted == 11 and p.slot(11) is None
+    assert p.slot(10) == s10 and p.slot(12) == slot
+
+
+def test_protected_experts_are_not_evicted():
+    p = LRUSlots(2)
+    p.place(1)
+    p.place(2)
+    slot, evicted = p.place(3, protected={1})
+    assert evicted == 2
+
+
+def test_pinned_experts_are_never_evicted():
+    p = LRUSlots(2)
+    p.place(1)
+    p.pin(1)
+    p.place(2)
+    for e in (3, 4, 5):
+        _, evicted = p.place(e)
+        assert evicted != 1
+    assert p.slot(1) is not None and p.pinned == {1}
+
+
+def test_no_evictable_slot_is_an_error():
+    p = LRUSlots(2)
+    p.place(1)
+    p.pin(1)
+    p.place(2)
+    with pytest.raises(PoolTooSmallError, match="none can be evicted"):
+        p.place(3, protected={2})
+
+
+def test_placing_a_resident_expert_or_pinning_an_absent_one_is_refused():
+    p = LRUSlots(2)
+    p.place(1)
+    with pytest.raises(ValueError):
+        p.place(1)
+    with pytest.raises(ValueError):
+        p.pin(7)
