@@ -124,6 +124,10 @@ class ExpertStore:
     def recorded_layers(self) -> List[int]:
         return [layer for layer, counts in self._routed.items() if counts.any()]
 
+    def routed_counts(self, layer: int) -> np.ndarray:
+        """How often each expert of ``layer`` was acquired while ``record`` was on."""
+        return self._routed[layer].copy()
+
     def hot(self, layer: int, n: int) -> List[int]:
         """The ``n`` experts of ``layer`` most often acquired while ``record`` was on, hottest first."""
         counts = self._routed[layer]

@@ -46,7 +46,7 @@ class ExpertReader:
         try:
             if self.io_mode == "direct" and sys.platform.startswith("linux"):
                 try:
-                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                    fd = self._open_direct(path)
                     mode = "direct"
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
@@ -64,6 +64,11 @@ class ExpertReader:
             raise ExpertIOError(f"{path}: cannot open expert shard ({exc.strerror})") from None
         self.effective_modes[path] = mode
         return fd
+
+    @staticmethod
+    def _open_direct(path: str) -> int:
+        """O_DIRECT open; EINVAL means the filesystem refuses it."""
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
 
     def read(self, ranges: Sequence[tuple]) -> List[np.ndarray]:
         """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order."""

@@ -1,0 +1,103 @@
+"""Expert index, reader and store on the tiny checkpoint."""
+
+import errno
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_streaming.checkpoint.experts import TENSOR_NAMES
+from mlx_streaming.config import StreamingConfig
+from mlx_streaming.errors import PoolTooSmallError
+from mlx_streaming.generate import greedy_generate
+from mlx_streaming.io.reader import ExpertReader
+from mlx_streaming.model import build_streaming_model
+
+
+def test_index_ranges_hold_exactly_each_experts_bytes(streaming_model, model_dir):
+    index = streaming_model.store.index
+    layer, expert = index.layers[-1], index.num_experts - 1
+    slices = index.slices(layer, expert)
+    assert [s.tensor for s in slices] == list(TENSOR_NAMES)
+    shard_arrays = {}
+    reader = ExpertReader("buffered")
+    for s, buf in zip(slices, reader.read([(s.path, s.offset, s.nbytes) for s in slices])):
+        arrays = shard_arrays.setdefault(s.path, mx.load(str(s.path)))
+        whole = arrays[f"model.layers.{layer}.mlp.switch_mlp.{s.tensor}"][expert]
+        expected = np.array(whole.view(mx.uint16) if whole.dtype == mx.bfloat16 else whole).tobytes()
+        assert buf.tobytes() == expected, s.tensor
+    reader.close()
+    assert index.expert_bytes == sum(s.nbytes for s in slices)
+
+
+def test_direct_and_buffered_reads_give_the_same_bytes(streaming_model):
+    index = streaming_model.store.index
+    ranges = [(s.path, s.offset, s.nbytes) for e in (0, 5, 17) for s in index.slices(index.layers[0], e)]
+    buffered, direct = ExpertReader("buffered"), ExpertReader("direct")
+    try:
+        assert [b.tobytes() for b in buffered.read(ranges)] == [b.tobytes() for b in direct.read(ranges)]
+        assert set(direct.effective_modes.values()) == {"direct"}
+    finally:
+        buffered.close()
+        direct.close()
+
+
+def test_direct_mode_on_a_filesystem_without_o_direct_falls_back_with_a_warning(streaming_model):
+    """The kernel's answer for such a filesystem (EINVAL from open) is simulated: this machine's
+    filesystems, tmpfs included, all accept O_DIRECT."""
+
+    class RefusingReader(ExpertReader):
+        @staticmethod
+        def _open_direct(path):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+
+    s = streaming_model.store.index.slices(0, 0)[0]
+    reader, plain = RefusingReader("direct"), ExpertReader("buffered")
+    try:
+        with pytest.warns(UserWarning, match="refuses O_DIRECT"):
+            (buf,) = reader.read([(s.path, s.offset, s.nbytes)])
+        assert reader.effective_modes[str(s.path)] == "buffered"
+        assert buf.tobytes() == plain.read([(s.path, s.offset, s.nbytes)])[0].tobytes()
+    finally:
+        reader.close()
+        plain.close()
+
+
+def test_counters_add_up_and_reset(model_dir, prompt_ids):
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=6)) as sm:
+        store = sm.store
+        greedy_generate(sm.model, prompt_ids[0], 8)
+        stats = store.stats()
+        assert stats["misses"] > 0 and stats["evictions"] > 0
+        assert stats["bytes_read"] == stats["misses"] * store.index.expert_bytes
+        assert stats["fastpath"] + stats["fallback"] > 0
+        sm.reset_stats()
+        assert all(v == 0 for v in store.stats().values())
+
+
+def test_pinned_experts_stay_resident_and_overpinning_is_an_error(model_dir, prompt_ids):
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=8, record=True)) as sm:
+        store = sm.store
+        top_k = store.top_k
+        greedy_generate(sm.model, prompt_ids[1], 8)
+        layer = store.recorded_layers()[0]
+        hot = store.hot(layer, 8 - top_k)
+        counts = store.routed_counts(layer)
+        assert [counts[e] for e in hot] == sorted((counts[e] for e in hot), reverse=True)
+        store.pin(layer, hot)
+        greedy_generate(sm.model, prompt_ids[2], 16)
+        assert store.policies[layer].pinned == set(hot)
+        assert all(store.policies[layer].slot(e) is not None for e in hot)
+        with pytest.raises(PoolTooSmallError, match="pinning"):
+            store.pin(layer, [e for e in range(store.index.num_experts) if e not in hot][:1])
+
+
+def test_pool_sized_by_bytes_and_by_memory_budget(model_dir):
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=4)) as sm:
+        per_slot = sm.store.index.expert_bytes * len(sm.store.index.layers)
+        dense = sm.dense_bytes
+    with build_streaming_model(model_dir, StreamingConfig(pool_bytes=10 * per_slot)) as sm:
+        assert sm.store.capacity == 10
+    budget = dense + (1 << 20) + 12 * per_slot
+    with build_streaming_model(model_dir, StreamingConfig(memory_budget=budget, memory_allowance=1 << 20)) as sm:
+        assert sm.store.capacity == 12
