@@ -101,3 +101,13 @@ def test_pool_sized_by_bytes_and_by_memory_budget(model_dir):
     budget = dense + (1 << 20) + 12 * per_slot
     with build_streaming_model(model_dir, StreamingConfig(memory_budget=budget, memory_allowance=1 << 20)) as sm:
         assert sm.store.capacity == 12
+
+
+def test_pin_hot_pins_the_calibration_runs_hottest_experts(model_dir):
+    config = StreamingConfig(pool_slots=8, pin_hot=2, pin_cal_tokens=8)
+    with build_streaming_model(model_dir, config) as sm:
+        store = sm.store
+        for layer in store.index.layers:
+            assert len(store.policies[layer].pinned) == 2
+            assert set(store.hot(layer, 2)) == store.policies[layer].pinned
+        assert all(v == 0 for v in store.stats().values())

@@ -110,8 +110,25 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None) -> Str
         block = model.layers[i].mlp
         block.switch_mlp = StreamingSwitchGLU(block.switch_mlp, i, store)
     mx.eval(model.parameters())
-    tokenizer = load_tokenizer(path)
-    return StreamingModel(model, tokenizer, store, config, path, model_config, dense_bytes)
+    sm = StreamingModel(model, load_tokenizer(path), store, config, path, model_config, dense_bytes)
+    if config.pin_hot:
+        pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
+    return sm
+
+
+def pin_hot_experts(sm: StreamingModel, n: int, calibration_tokens: int) -> None:
+    """Greedy-decode ``calibration_tokens`` of the config's prompt with recording on, pin each layer's
+    ``n`` hottest experts, and reset the counters so the calibration does not count."""
+    from .generate import greedy_generate
+
+    store = sm.store
+    recording = store.record
+    store.record = True
+    greedy_generate(sm.model, sm.tokenizer.encode(sm.config.prompt), calibration_tokens, sm.config.prefill_chunk)
+    store.record = recording
+    for layer in store.recorded_layers():
+        store.pin(layer, store.hot(layer, n))
+    sm.reset_stats()
 
 
 def parameter_bytes(model) -> int:
