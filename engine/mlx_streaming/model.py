@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -130,6 +129,3 @@ def pin_hot_experts(sm: StreamingModel, n: int, calibration_tokens: int) -> None
         store.pin(layer, store.hot(layer, n))
     sm.reset_stats()
 
-
-def parameter_bytes(model) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
