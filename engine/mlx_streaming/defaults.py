@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from . import __version__
+from .errors import CheckpointError
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_SEED = 0
@@ -31,6 +32,8 @@ def synthetic_model(preset: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED, layo
     synth_checkpoint(scratch, preset=preset, seed=seed, layout=layout)
     try:
         scratch.rename(target)
-    except OSError:  # another process finished first
+    except OSError:  # another process finished first, or a stale folder is in the way
         shutil.rmtree(scratch, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise CheckpointError(f"{target}: an incomplete cached checkpoint is in the way; delete it") from None
     return target

@@ -105,7 +105,8 @@ def read_checkpoint_headers(model_dir: os.PathLike) -> Dict[str, TensorInfo]:
     for shard in shards:
         shard_path = model_dir / shard
         if not shard_path.exists():
-            raise CheckpointError(f"{shard_path}: shard named in {index_path.name} is missing")
+            where = f"shard named in {index_path.name}" if weight_map is not None else f"no {index_path.name} and no shard"
+            raise CheckpointError(f"{shard_path}: {where} is missing")
         tensors.update(read_header(shard_path))
     if weight_map is not None:
         for name, shard in weight_map.items():
