@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 IO_MODES = ("buffered", "direct")
+VERIFY_MODES = ("direct", "replay")
 
 #: Memory kept free for KV caches, activations and temporaries when the pool size is derived from
 #: ``memory_budget``: the pool gets ``memory_budget - dense weights - memory_allowance``.
@@ -39,6 +40,13 @@ class StreamingConfig:
     prefill_chunk: int = 256
     max_tokens: int = 64
     prompt: str = "def fibonacci(n):"
+    #: Load the MTP head too (its experts stream through the same pool, as one more layer).
+    mtp: bool = False
+    #: The MTP weights (default: ``mtp.safetensors`` in the model folder).
+    mtp_path: Optional[str] = None
+    #: Speculative decoding: tokens per verify (1 + K-1 drafts) and how Gated-DeltaNet state is committed.
+    k: int = 3
+    verify_mode: str = "direct"
     #: Pin the ``pin_hot`` hottest experts of every layer, found by a calibration run of ``pin_cal_tokens``.
     pin_hot: int = 0
     pin_cal_tokens: int = 32
@@ -49,6 +57,10 @@ class StreamingConfig:
     def validate(self) -> None:
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
+        if self.verify_mode not in VERIFY_MODES:
+            raise ConfigError(f"verify_mode must be one of {', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
+        if self.k < 2:
+            raise ConfigError(f"k (tokens per verify) must be at least 2, got {self.k}")
         sizing = [n for n in ("pool_slots", "pool_bytes", "memory_budget") if getattr(self, n) is not None]
         if len(sizing) > 1:
             raise ConfigError(f"set at most one of pool_slots, pool_bytes, memory_budget; got {', '.join(sizing)}")
@@ -94,6 +106,9 @@ def _flag(text: str) -> bool:
 
 ENV_NAMES = {
     "MAXTOK": ("max_tokens", int),
+    "K": ("k", int),
+    "MTP_OUT": ("mtp_path", str),
+    "VERIFY_MODE": ("verify_mode", str),
     "PROMPT": ("prompt", str),
     "POOL_SLOTS": ("pool_slots", int),
     "POOL_BYTES": ("pool_bytes", parse_size),

@@ -19,11 +19,13 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from .cache.store import ExpertStore
 from .checkpoint.experts import ExpertIndex
-from .checkpoint.safetensors import read_checkpoint_headers
+from .checkpoint.mtp_extract import MTP_FILE
+from .checkpoint.safetensors import read_checkpoint_headers, read_header
 from .config import StreamingConfig
 from .errors import CheckpointError, ConfigMismatchError, MissingTensorError, PoolTooSmallError
 from .io.reader import ExpertReader
 from .moe.streaming_switch import StreamingSwitchGLU
+from .mtp.load import load_mtp
 
 
 @dataclass
@@ -37,6 +39,8 @@ class StreamingModel:
     path: Path
     model_config: dict
     dense_bytes: int
+    #: The MTP head (``config.mtp``), its experts in the same store under layer id ``num_hidden_layers``.
+    mtp: Optional[object] = None
 
     def reset_stats(self) -> None:
         self.store.reset_stats()
@@ -100,16 +104,24 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None) -> Str
         raise kind(f"{path}: the shards do not match config.json: {text}") from None
 
     prefixes = moe_layer_prefixes(model)
+    blocks = {i: model.layers[i].mlp for i in prefixes}
+    head = None
+    if config.mtp:
+        mtp_path = Path(config.mtp_path) if config.mtp_path else path / MTP_FILE
+        head = load_mtp(model_config, mtp_path, lazy=True)
+        tensors.update(read_header(mtp_path))
+        mtp_layer = model_config["num_hidden_layers"]
+        prefixes[mtp_layer] = "mtp.layers.0.mlp.switch_mlp"
+        blocks[mtp_layer] = head.layers[0].mlp
     index = ExpertIndex(tensors, prefixes, model_config)
     expert_names = set(index.expert_tensor_names())
     dense_bytes = sum(t.nbytes for name, t in tensors.items() if name not in expert_names)
     capacity = pool_capacity(config, index.num_experts, index.expert_bytes, len(prefixes), dense_bytes)
     store = ExpertStore(index, ExpertReader(config.io_mode), capacity, model_config["num_experts_per_tok"], config.record)
-    for i in prefixes:
-        block = model.layers[i].mlp
+    for i, block in blocks.items():
         block.switch_mlp = StreamingSwitchGLU(block.switch_mlp, i, store)
-    mx.eval(model.parameters())
-    sm = StreamingModel(model, load_tokenizer(path), store, config, path, model_config, dense_bytes)
+    mx.eval(model.parameters(), head.parameters() if head else [])
+    sm = StreamingModel(model, load_tokenizer(path), store, config, path, model_config, dense_bytes, head)
     if config.pin_hot:
         pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
     return sm

@@ -1,0 +1,52 @@
+"""MTPDrafter: the MTP head drafting the main model's next tokens.
+
+The head keeps its own KV cache over the whole sequence: the entry for position ``t`` is built from the
+token at ``t + 1`` and the main model's hidden state at ``t``. ``extend`` feeds those true pairs (after the
+prefill and after each verify) and returns the head's last output; ``propose`` drafts by feeding its own
+output hidden state back, which appends provisional entries that the next ``extend`` trims first.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+
+class MTPDrafter:
+    def __init__(self, mtp, model):
+        self.mtp, self.model = mtp, model
+        self.cache = KVCache()
+        self._provisional = 0
+        self._last = None
+
+    def _step(self, tokens: Sequence[int], hidden: mx.array) -> mx.array:
+        embeddings = self.model.model.embed_tokens(mx.array([list(tokens)]))
+        mask = create_attention_mask(embeddings, self.cache)
+        return self.mtp(embeddings, hidden, mask=mask, cache=self.cache)
+
+    def _logits(self, h: mx.array) -> mx.array:
+        if self.model.args.tie_word_embeddings:
+            return self.model.model.embed_tokens.as_linear(h)
+        return self.model.lm_head(h)
+
+    def extend(self, next_tokens: Sequence[int], hiddens: mx.array) -> None:
+        """Feed ``(next_tokens[i], hiddens[:, i])`` for consecutive committed positions."""
+        if self._provisional:
+            self.cache.trim(self._provisional)
+            self._provisional = 0
+        self._last = self._step(next_tokens, hiddens)[:, -1:]
+
+    def propose(self, n: int) -> List[int]:
+        """Draft ``n`` tokens after the last extended position."""
+        h = self._last
+        drafts = []
+        for i in range(n):
+            token = int(mx.argmax(self._logits(h)[0, -1]))
+            drafts.append(token)
+            if i + 1 < n:
+                h = self._step([token], h)
+                self._provisional += 1
+        return drafts

@@ -1,0 +1,180 @@
+"""Self-speculative decoding: draft with the MTP head, verify ``[x, d1 .. d(K-1)]`` in one forward, commit.
+
+Greedy acceptance: drafts are accepted while they equal the main model's argmax at the position before
+them; the accepted drafts plus the main model's next token (the bonus) are committed, so the ids equal
+plain greedy decoding. Full-attention KV caches are trimmed. Gated-DeltaNet state cannot be trimmed, so:
+
+- ``direct``: during the verify each Gated-DeltaNet layer keeps its conv window and recurrent state after
+  every position (its recurrence is sequential anyway; ``StateCapture`` steps it position by position) and
+  the commit installs the state at the last accepted position; nothing is replayed.
+- ``replay``: the Gated-DeltaNet state is snapshotted before the verify; after a partial accept it is
+  restored and the accepted tokens are run again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+from ..generate import forward_with_hidden
+
+VERIFY_MODES = ("direct", "replay")
+PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", "finalize")
+
+
+class StateCapture(nn.Module):
+    """Wraps one Gated-DeltaNet layer; while ``capturing``, a multi-token call runs position by position and
+    keeps the cache state after each one in ``states``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.capturing = False
+        self.states: List[list] = []
+
+    def __call__(self, x, mask=None, cache=None):
+        if not self.capturing or cache is None:
+            return self.inner(x, mask, cache)
+        outputs, self.states = [], []
+        for i in range(x.shape[1]):
+            outputs.append(self.inner(x[:, i:i + 1], None if mask is None else mask[:, i:i + 1], cache))
+            self.states.append(list(cache.cache))
+        return mx.concatenate(outputs, axis=1)
+
+
+def state_captures(model) -> List[StateCapture]:
+    """Wrap every Gated-DeltaNet layer of ``model`` once (composition on this instance) and return the wrappers."""
+    captures = []
+    for layer in model.layers:
+        if layer.is_linear:
+            if not isinstance(layer.linear_attn, StateCapture):
+                layer.linear_attn = StateCapture(layer.linear_attn)
+            captures.append(layer.linear_attn)
+    return captures
+
+
+@dataclass
+class SpecStats:
+    verify_mode: str
+    k: int
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    full_accepts: int = 0
+    direct_commits: int = 0
+    fallback_replays: int = 0
+    replayed_tokens: int = 0
+    accept_hist: List[int] = field(default_factory=list)
+    times: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+
+    def as_dict(self) -> dict:
+        wall = sum(self.times.values())
+        decode = wall - self.times["prefill"]
+        return {
+            "verify_mode": self.verify_mode, "K": self.k, "tokens": self.tokens, "steps": self.steps,
+            "accepted_drafts": self.accepted, "avg_accept_len": self.accepted / self.steps if self.steps else 0.0,
+            "tokens_per_step": (self.tokens - 1) / self.steps if self.steps else 0.0,
+            "full_accepts": self.full_accepts, "direct_commits": self.direct_commits,
+            "fallback_replays": self.fallback_replays, "replayed_tokens": self.replayed_tokens,
+            "accept_hist": list(self.accept_hist), "wall_s": wall,
+            "time_s": dict(self.times),
+            "decode_tok_s": (self.tokens - 1) / decode if decode > 0 else 0.0,
+            "projected_tok_s_free_replay": (self.tokens - 1) / (decode - self.times["replay"]) if decode > self.times["replay"] else 0.0,
+        }
+
+
+class _Clock:
+    def __init__(self, times: Dict[str, float]):
+        self.times, self.t = times, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.times[phase] += now - self.t
+        self.t = now
+
+
+def _kv_caches(cache) -> list:
+    return [c for c in cache if not isinstance(c, ArraysCache)]
+
+
+def _gdn_caches(cache) -> list:
+    return [c for c in cache if isinstance(c, ArraysCache)]
+
+
+def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: int = 3,
+                 verify_mode: str = "direct", prefill_chunk: int = 256) -> Tuple[List[int], dict]:
+    """``max_tokens`` ids equal to greedy decoding's, and the run's statistics."""
+    if verify_mode not in VERIFY_MODES:
+        raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
+    if K < 2:
+        raise ValueError(f"K must be at least 2, got {K}")
+    stats = SpecStats(verify_mode, K)
+    clock = _Clock(stats.times)
+    captures = state_captures(model) if verify_mode == "direct" else []
+    cache = model.make_cache()
+
+    hiddens = []
+    for start in range(0, len(prompt_ids), prefill_chunk):
+        logits, hidden = forward_with_hidden(model, mx.array([list(prompt_ids[start:start + prefill_chunk])]), cache)
+        mx.eval(logits, hidden)
+        hiddens.append(hidden)
+    x = int(mx.argmax(logits[0, -1]))
+    out = [x]
+    clock.lap("prefill")
+    drafter.extend(list(prompt_ids[1:]) + [x], mx.concatenate(hiddens, axis=1))
+
+    while len(out) < max_tokens:
+        drafts = drafter.propose(K - 1)
+        clock.lap("draft")
+        snapshot = [list(c.cache) for c in _gdn_caches(cache)] if verify_mode == "replay" else None
+        clock.lap("snapshot")
+        for c in captures:
+            c.capturing = True
+        logits, hidden = forward_with_hidden(model, mx.array([[x] + drafts]), cache)
+        for c in captures:
+            c.capturing = False
+        mx.eval(logits, hidden)
+        clock.lap("verify")
+        targets = mx.argmax(logits[0], axis=-1).tolist()
+        clock.lap("sync")
+        a = 0
+        while a < K - 1 and drafts[a] == targets[a]:
+            a += 1
+        committed = drafts[:a] + [targets[a]]
+        stats.steps += 1
+        stats.accepted += a
+        stats.accept_hist.append(a)
+        if a == K - 1:
+            stats.full_accepts += 1
+        elif verify_mode == "direct":
+            for c in _kv_caches(cache):
+                c.trim(K - 1 - a)
+            for capture, c in zip(captures, _gdn_caches(cache)):
+                c.cache = list(capture.states[a])
+            stats.direct_commits += 1
+            clock.lap("commit")
+        else:
+            for c in _kv_caches(cache):
+                c.trim(K)
+            for saved, c in zip(snapshot, _gdn_caches(cache)):
+                c.cache = saved
+            clock.lap("commit")
+            _, replayed = forward_with_hidden(model, mx.array([[x] + drafts[:a]]), cache)
+            mx.eval(replayed)
+            stats.fallback_replays += 1
+            stats.replayed_tokens += a + 1
+            clock.lap("replay")
+        out.extend(committed)
+        x = committed[-1]
+        drafter.extend(committed, hidden[:, : a + 1])
+        clock.lap("draft")
+
+    out = out[:max_tokens]
+    stats.tokens = len(out)
+    clock.lap("finalize")
+    return out, stats.as_dict()
