@@ -38,11 +38,12 @@ def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chun
             mx.eval(logits)
 
 
-def top2_margin(logits: mx.array) -> Tuple[int, int, float]:
-    """(top-1 id, top-2 id, their logit gap) of one position's logits."""
-    top = mx.argsort(-logits.astype(mx.float32))[:2]
+def top2_margin(logits: mx.array) -> Tuple[int, int, float, float]:
+    """(top-1 id, top-2 id, their logit gap, the top-1 logit) of one position's logits."""
+    values = logits.astype(mx.float32)
+    top = mx.argsort(-values)[:2]
     a, b = int(top[0]), int(top[1])
-    return a, b, float(logits[a].astype(mx.float32) - logits[b].astype(mx.float32))
+    return a, b, float(values[a] - values[b]), float(values[a])
 
 
 def greedy_generate(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chunk: int = 256,

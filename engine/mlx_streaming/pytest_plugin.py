@@ -66,6 +66,15 @@ def streaming_model(model_dir, streaming_config):
 
 
 @pytest.fixture(scope="session")
+def mtp_model(model_dir, mtp_path, streaming_config):
+    """The streaming model with its MTP head (experts of both in one pool)."""
+    from .model import build_streaming_model
+
+    with build_streaming_model(model_dir, streaming_config.replace(mtp=True, mtp_path=str(mtp_path))) as sm:
+        yield sm
+
+
+@pytest.fixture(scope="session")
 def reference_model(model_dir):
     """mlx-lm's own in-memory model on the same checkpoint: the oracle."""
     import mlx_lm
@@ -78,3 +87,32 @@ def reference_model(model_dir):
 def prompt_ids(streaming_model):
     """Token ids of the standard test prompts."""
     return [streaming_model.tokenizer.encode(p) for p in TEST_PROMPTS]
+
+
+EXACTNESS_KEY = "exactness"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The exactness table: every speculative-vs-greedy run the tests recorded (with ``record_property``
+    under ``EXACTNESS_KEY``), how many were exact, and every divergence with its greedy top-2 gap. Reports
+    carry the rows, so this works under pytest-xdist too."""
+    rows = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for key, value in getattr(report, "user_properties", ())
+        if key == EXACTNESS_KEY
+    ]
+    if not rows:
+        return
+    from tabulate import tabulate
+
+    exact = sum(r["divergence"] is None for r in rows)
+    terminalreporter.section("mlx-streaming exactness")
+    terminalreporter.write_line(f"{len(rows)} speculative runs, {exact} token-for-token equal to greedy")
+    diverged = [r for r in rows if r["divergence"] is not None]
+    if diverged:
+        table = [[r["prompt"], r["K"], r["verify_mode"], r["pool"], d["step"], d["top1"], d["top2"], f"{d['gap']:.5f}",
+                  "near-tie" if d["near_tie"] else "BUG"] for r in diverged for d in [r["divergence"]]]
+        terminalreporter.write_line(tabulate(table, headers=["prompt", "K", "mode", "pool", "step", "top-1", "top-2", "gap", "verdict"]))

@@ -49,6 +49,9 @@ class ExpertStore:
         mx.eval(self.pools)
         self.policies = {layer: LRUSlots(self.capacity) for layer in index.layers}
         self.record = record
+        #: When a list, every layer call appends (layer, tokens in the call, distinct experts routed): the
+        #: union-of-experts profile. Off (None) unless asked for.
+        self.union_log = None
         self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
         self.reset_stats()
 

@@ -36,6 +36,8 @@ class StreamingSwitchGLU(nn.Module):
         store, layer = self._store, self.layer
         routed = np.array(indices)
         experts = [int(e) for e in np.unique(routed)]
+        if store.union_log is not None:
+            store.union_log.append((layer, routed.size // routed.shape[-1], len(experts)))
         policy = store.policies[layer]
         if all(policy.slot(e) is not None for e in experts):
             store.fastpath += 1

@@ -1,0 +1,66 @@
+"""Accept paths with an oracle drafter: it proposes the known greedy continuation with planted errors, so
+every accept length from 0 to K-1 occurs, in both commit modes, and the statistics are known exactly."""
+
+import itertools
+
+import pytest
+
+from mlx_streaming.generate import greedy_generate
+from mlx_streaming.mtp.speculative import mtp_generate
+
+pytestmark = pytest.mark.exact
+MAX_TOKENS = 40
+
+
+class OracleDrafter:
+    """Drafts ``greedy[pos:pos+n]``, with the draft at index ``plan[step]`` made wrong (none if >= n)."""
+
+    def __init__(self, greedy, plan, prompt_len, vocab):
+        self.greedy, self.plan, self.vocab = greedy, iter(plan), vocab
+        self.generated = -(prompt_len - 1)  # the first extend carries prompt[1:] + the first token
+
+    def extend(self, next_tokens, hiddens):
+        assert hiddens.shape[1] == len(next_tokens)
+        self.generated += len(next_tokens)
+
+    def propose(self, n):
+        drafts = list(self.greedy[self.generated:self.generated + n])
+        wrong_at = next(self.plan)
+        if wrong_at < n:
+            drafts[wrong_at] = (drafts[wrong_at] + 1) % self.vocab
+        return drafts
+
+
+def expected(plan, K):
+    """Statistics the plan implies: steps until MAX_TOKENS ids exist, and what each commit mode does."""
+    tokens, used = 1, []
+    for a in plan:
+        if tokens >= MAX_TOKENS:
+            break
+        used.append(a)
+        tokens += a + 1
+    partial = [a for a in used if a < K - 1]
+    return {"steps": len(used), "accepted_drafts": sum(used), "accept_hist": used,
+            "full_accepts": len(used) - len(partial), "partial": len(partial), "replayed": sum(a + 1 for a in partial)}
+
+
+@pytest.mark.parametrize("verify_mode", ["direct", "replay"])
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_every_accept_length_commits_exactly(mtp_model, prompt_ids, K, verify_mode):
+    sm = mtp_model
+    ids = prompt_ids[1]
+    greedy = greedy_generate(sm.model, ids, MAX_TOKENS + K)
+    plan = list(itertools.islice(itertools.cycle(range(K)), 64))  # accept 0, 1, .., K-1, 0, 1, ..
+    drafter = OracleDrafter(greedy, plan, len(ids), sm.model.args.vocab_size)
+    out, stats = mtp_generate(sm.model, drafter, ids, MAX_TOKENS, K, verify_mode)
+    want = expected(plan, K)
+    assert out == greedy[:MAX_TOKENS]
+    assert set(want["accept_hist"]) == set(range(K))
+    assert stats["steps"] == want["steps"]
+    assert stats["accept_hist"] == want["accept_hist"]
+    assert stats["accepted_drafts"] == want["accepted_drafts"]
+    assert stats["full_accepts"] == want["full_accepts"]
+    if verify_mode == "direct":
+        assert (stats["direct_commits"], stats["fallback_replays"], stats["replayed_tokens"]) == (want["partial"], 0, 0)
+    else:
+        assert (stats["direct_commits"], stats["fallback_replays"], stats["replayed_tokens"]) == (0, want["partial"], want["replayed"])
