@@ -1,43 +1,40 @@
-"""One benchmark run on one checkpoint: decode tok/s and expert traffic per scenario, side by side.
+"""The benchmark: greedy and speculative decoding on one streaming model, side by side in one process.
 
-Scenarios run in one process on one prompt, in order, each first warmed up and then timed ``repeat``
-times (median reported). ``inmemory`` is mlx-lm's own model; the others are the streaming engine with the
-pool at a fraction of the experts and an io mode. A ``buffered`` figure read through the page cache is not a
-disk-streaming figure; ``direct`` bypasses the cache (O_DIRECT / F_NOCACHE).
+``run`` warms both paths for ``warmup_tokens``, then times each ``repeat`` times and reports medians; the
+counters come from the last run of each path (the store is reset before every run). Decode tok/s starts
+after the prompt's prefill. Ratios (speedup, disk-load ratio, streaming / in-memory) are measured in the
+same process and are comparable across machines; absolute tok/s are not. ``sweep`` is the pool-size /
+io-mode table: mlx-lm in-memory against streaming at several pools, greedy only.
+
+A ``buffered`` figure read from a page cache that holds the shards measures memory copies, not the disk;
+``direct`` bypasses the cache (O_DIRECT / F_NOCACHE). Every result names its io mode.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 
 from .config import StreamingConfig
-from .generate import greedy_steps
+from .generate import greedy_generate, greedy_steps
+from .mtp.drafter import MTPDrafter
+from .mtp.profile import union_profile
+from .mtp.speculative import mtp_generate
+from .mtp.triage import first_divergence
 
 
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    pool_fraction: Optional[float] = None  # None: mlx-lm in-memory
-    io_mode: str = "buffered"
+def _say(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
 
 
-DEFAULT_SCENARIOS = (
-    Scenario("inmemory"),
-    Scenario("stream-100%", 1.0, "buffered"),
-    Scenario("stream-25%-buffered", 0.25, "buffered"),
-    Scenario("stream-25%-direct", 0.25, "direct"),
-)
-
-
-def _time_decode(model, prompt_ids, max_tokens: int, prefill_chunk: int) -> tuple:
-    """(decode tok/s, ids): the clock starts once the prompt is processed."""
+def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int) -> tuple:
+    """(decode tok/s, ids): the clock starts once the prompt's prefill gave the first token."""
     ids, start = [], None
     for token, _ in greedy_steps(model, prompt_ids, max_tokens, prefill_chunk):
         ids.append(token)
@@ -46,55 +43,160 @@ def _time_decode(model, prompt_ids, max_tokens: int, prefill_chunk: int) -> tupl
     return (max_tokens - 1) / (time.perf_counter() - start), ids
 
 
-def run_scenario(model_dir: Path, scenario: Scenario, config: StreamingConfig, warmup: int, repeat: int) -> dict:
+def _spread(rates: List[float]) -> dict:
+    return {"median": statistics.median(rates), "runs": rates, "min": min(rates), "max": max(rates)}
+
+
+def _store_counters(store) -> dict:
+    s = store.stats()
+    looked_up = s["hits"] + s["misses"]
+    return {"disk_loads": s["misses"], "hits": s["hits"], "hit_rate": s["hits"] / looked_up if looked_up else 0.0,
+            "bytes_read": s["bytes_read"], "evictions": s["evictions"], "fastpath": s["fastpath"],
+            "fallback": s["fallback"], "grouped": s["grouped"]}
+
+
+def _timed_runs(label: str, once: Callable[[], tuple], store, repeat: int) -> tuple:
+    """Run ``once`` ``repeat`` times, resetting the store's counters first; (rates, last result, counters)."""
+    rates = []
+    for i in range(repeat):
+        if store is not None:
+            store.reset_stats()
+        _say(f"{label}: run {i + 1}/{repeat}")
+        rate, *result = once()
+        rates.append(rate)
+    return rates, result, _store_counters(store) if store is not None else {}
+
+
+def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False) -> dict:
+    """One benchmark of ``config`` on ``model_dir``: the result dict the CLI prints and perf tests store."""
+    from .model import build_streaming_model
+    from .metrics.memory import memory_snapshot
+
+    mx.reset_peak_memory()
+    _say(f"building the streaming model from {model_dir}")
+    with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
+        prompt_ids = sm.tokenizer.encode(config.prompt)
+        K, mode, chunk, n = config.k, config.verify_mode, config.prefill_chunk, config.max_tokens
+
+        def greedy_once():
+            return timed_greedy(sm.model, prompt_ids, n, chunk)
+
+        def spec_once():
+            ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, K, mode, chunk)
+            return stats["decode_tok_s"], ids, stats
+
+        if config.warmup_tokens:
+            _say(f"warming up both paths ({config.warmup_tokens} tokens)")
+            timed_greedy(sm.model, prompt_ids, config.warmup_tokens, chunk)
+            mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, config.warmup_tokens, K, mode, chunk)
+        greedy_rates, (greedy_ids,), greedy_counters = _timed_runs("greedy", greedy_once, sm.store, config.repeat)
+        sm.store.union_log = []
+        spec_rates, (spec_ids, spec_stats), spec_counters = _timed_runs("speculative", spec_once, sm.store, config.repeat)
+        unions = union_profile(sm.store.union_log, K)
+        sm.store.union_log = None
+
+        divergence = first_divergence(spec_ids, greedy_ids, _margins(sm.model, prompt_ids, n, chunk)) if spec_ids != greedy_ids else None
+        result = {
+            "model": str(model_dir), "K": K, "max_tokens": n, "warmup": config.warmup_tokens, "repeat": config.repeat,
+            "prompt": config.prompt, "prefill_chunk": chunk, "io_mode": config.io_mode,
+            "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
+            "pinned_experts": sum(len(p.pinned) for p in sm.store.policies.values()),
+            "exact_match": spec_ids == greedy_ids,
+            "n_mismatch": sum(a != b for a, b in zip(spec_ids, greedy_ids)),
+            "first_divergence": None if divergence is None else {**divergence.__dict__, "near_tie": divergence.near_tie},
+            "greedy_tok_s": _spread(greedy_rates), "spec_tok_s": _spread(spec_rates),
+            "speedup": statistics.median(spec_rates) / statistics.median(greedy_rates),
+            **{k: spec_stats[k] for k in ("avg_accept_len", "tokens_per_step", "steps", "verify_mode", "direct_commits",
+                                          "fallback_replays", "replayed_tokens", "accept_hist")},
+            "spec_time_s": spec_stats["time_s"], "projected_tok_s_free_replay": spec_stats["projected_tok_s_free_replay"],
+            "greedy_io": greedy_counters, "spec_io": spec_counters,
+            "disk_load_ratio": spec_counters["disk_loads"] / greedy_counters["disk_loads"] if greedy_counters["disk_loads"] else None,
+            "union_of_experts": unions,
+            "memory": memory_snapshot(sm),
+        }
+    if compare_inmemory:
+        result["inmemory"] = _inmemory(model_dir, config, prompt_ids)
+        result["streaming_over_inmemory"] = result["greedy_tok_s"]["median"] / result["inmemory"]["tok_s"]["median"]
+        result["inmemory_ids_match"] = result["inmemory"].pop("ids") == greedy_ids
+    if config.dump_ids:
+        Path(config.dump_ids).write_text(json.dumps({"greedy": greedy_ids, "speculative": spec_ids}))
+    return result
+
+
+def _margins(model, prompt_ids, n, chunk) -> list:
+    margins = []
+    greedy_generate(model, prompt_ids, n, chunk, margins=margins)
+    return margins
+
+
+def _inmemory(model_dir: Path, config: StreamingConfig, prompt_ids) -> dict:
+    import mlx_lm
+
+    _say("loading mlx-lm's in-memory model")
+    model, _ = mlx_lm.load(str(model_dir))
+    if config.warmup_tokens:
+        timed_greedy(model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
+    rates, (ids,), _ = _timed_runs("in-memory greedy", lambda: timed_greedy(model, prompt_ids, config.max_tokens, config.prefill_chunk), None, config.repeat)
+    del model
+    mx.clear_cache()
+    return {"tok_s": _spread(rates), "ids": ids}
+
+
+def table(result: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    if "inmemory" in result:
+        rows.append(["mlx-lm in-memory greedy", result["inmemory"]["tok_s"]["median"], result["inmemory"]["tok_s"]["min"], result["inmemory"]["tok_s"]["max"], "-", "-", "-"])
+    for label, key, io in (("streaming greedy", "greedy_tok_s", "greedy_io"), (f"streaming MTP K={result['K']} ({result['verify_mode']})", "spec_tok_s", "spec_io")):
+        t, c = result[key], result[io]
+        rows.append([label, t["median"], t["min"], t["max"], c["disk_loads"], round(c["hit_rate"], 3), round(c["bytes_read"] / 1e6, 1)])
+    head = tabulate(rows, headers=["path", "tok/s median", "min", "max", "disk loads", "hit rate", "MB read"], floatfmt=".3f")
+    u = result["union_of_experts"]
+    summary = [
+        f"model {result['model']}  io_mode={result['io_mode']}  pool {result['pool_slots']}/{result['num_experts']} experts per layer  "
+        f"max_tokens={result['max_tokens']} warmup={result['warmup']} repeat={result['repeat']}",
+        f"speedup {result['speedup']:.3f}x  exact_match={result['exact_match']}  avg accept {result['avg_accept_len']:.3f} of {result['K'] - 1}  "
+        f"steps {result['steps']}  disk-load ratio {result['disk_load_ratio'] if result['disk_load_ratio'] is None else round(result['disk_load_ratio'], 3)}",
+        f"union of experts per verify: avg {u.get('avg', 0):.1f}  p99 {u.get('p99', 0):.1f}  max {u.get('max', 0)}",
+        f"memory: MLX active {result['memory']['mlx_active_gb']:.3f} GB, peak {result['memory']['mlx_peak_gb']:.3f} GB, RSS {result['memory']['rss_gb']:.3f} GB",
+    ]
+    if "streaming_over_inmemory" in result:
+        summary.append(f"streaming / in-memory greedy: {result['streaming_over_inmemory']:.3f}  (ids equal: {result['inmemory_ids_match']})")
+    return head + "\n" + "\n".join(summary)
+
+
+def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=("buffered", "direct")) -> List[dict]:
+    """Greedy decode tok/s and expert traffic: mlx-lm in-memory, then streaming at each pool fraction and io
+    mode (the full pool only buffered: it reads each expert once)."""
     import mlx_lm
 
     from .model import build_streaming_model
 
-    if scenario.pool_fraction is None:
-        model, tokenizer = mlx_lm.load(str(model_dir))
-        store, closer = None, None
-    else:
-        num_experts = mlx_lm.utils.load_config(Path(model_dir))["num_experts"]
-        slots = max(1, round(num_experts * scenario.pool_fraction))
-        sm = build_streaming_model(model_dir, config.replace(pool_slots=slots, pool_bytes=None, memory_budget=None, io_mode=scenario.io_mode))
-        model, tokenizer, store, closer = sm.model, sm.tokenizer, sm.store, sm
-    try:
-        prompt_ids = tokenizer.encode(config.prompt)
-        if warmup:
-            _time_decode(model, prompt_ids, warmup, config.prefill_chunk)
-        rates = []
-        for _ in range(repeat):
-            if store is not None:
-                store.reset_stats()
-            rate, ids = _time_decode(model, prompt_ids, config.max_tokens, config.prefill_chunk)
-            rates.append(rate)
-        row = {"scenario": scenario.name, "io_mode": scenario.io_mode if store else "-", "tok_s": statistics.median(rates),
-               "tok_s_runs": rates, "ids": ids}
-        if store is not None:
-            n = len(ids)
-            row.update(pool_slots=store.capacity, **store.stats())
-            row.update(hits_per_tok=store.hits / n, misses_per_tok=store.misses / n, mb_read_per_tok=store.bytes_read / n / 1e6)
-        return row
-    finally:
-        if closer is not None:
-            closer.close()
-        mx.clear_cache()
-
-
-def run(model_dir: Path, config: StreamingConfig, scenarios=DEFAULT_SCENARIOS, warmup: int = 8, repeat: int = 3) -> List[dict]:
-    rows = []
-    for scenario in scenarios:
-        print(f"[bench] {scenario.name} ...", file=sys.stderr, flush=True)
-        rows.append(run_scenario(model_dir, scenario, config, warmup, repeat))
-    reference = rows[0]["ids"]
-    for row in rows:
-        row["ids_match_first"] = row["ids"] == reference
+    _say("in-memory")
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    prompt_ids = tokenizer.encode(config.prompt)
+    num_experts = model.args.num_experts
+    timed_greedy(model, prompt_ids, max(config.warmup_tokens, 2), config.prefill_chunk)
+    rates, (reference,), _ = _timed_runs("in-memory", lambda: timed_greedy(model, prompt_ids, config.max_tokens, config.prefill_chunk), None, config.repeat)
+    rows = [{"scenario": "mlx-lm in-memory", "io_mode": "-", "pool_slots": "-", "tok_s": _spread(rates), "ids_match": True}]
+    del model
+    for fraction in pools:
+        for io_mode in io_modes[:1] if fraction >= 1.0 else io_modes:
+            slots = max(1, round(num_experts * fraction))
+            cfg = config.replace(pool_slots=slots, pool_bytes=None, memory_budget=None, io_mode=io_mode)
+            with build_streaming_model(model_dir, cfg) as sm:
+                timed_greedy(sm.model, prompt_ids, max(config.warmup_tokens, 2), config.prefill_chunk)
+                rates, (ids,), counters = _timed_runs(f"stream {fraction:.0%} {io_mode}", lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
+            rows.append({"scenario": f"streaming {fraction:.0%}", "io_mode": io_mode, "pool_slots": slots, "tok_s": _spread(rates),
+                         "ids_match": ids == reference, **{k: counters[k] / len(ids) for k in ("hits", "disk_loads", "bytes_read")}})
+            mx.clear_cache()
     return rows
 
 
-def table(rows: List[dict]) -> str:
+def sweep_table(rows: List[dict]) -> str:
     from tabulate import tabulate
 
-    cols = ["scenario", "io_mode", "pool_slots", "tok_s", "hits_per_tok", "misses_per_tok", "mb_read_per_tok", "ids_match_first"]
-    return tabulate([[r.get(c, "-") for c in cols] for r in rows], headers=cols, floatfmt=".2f")
+    body = [[r["scenario"], r["io_mode"], r["pool_slots"], r["tok_s"]["median"], r.get("hits", "-"), r.get("disk_loads", "-"),
+             r["bytes_read"] / 1e6 if "bytes_read" in r else "-", r["ids_match"]] for r in rows]
+    return tabulate(body, headers=["scenario", "io mode", "slots/layer", "decode tok/s", "hits/tok", "disk loads/tok", "MB read/tok", "ids = in-memory"], floatfmt=".2f")

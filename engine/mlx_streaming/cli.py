@@ -22,9 +22,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args) -> StreamingConfig:
+    extra = {name: getattr(args, name, None) for name in ("k", "verify_mode", "warmup_tokens", "repeat", "dump_ids", "pin_hot", "pin_cal_tokens")}
     return StreamingConfig.from_env(
         prompt=args.prompt, max_tokens=args.max_tokens, pool_slots=args.pool_slots, pool_bytes=args.pool_bytes,
-        memory_budget=args.memory_budget, io_mode=args.io_mode,
+        memory_budget=args.memory_budget, io_mode=args.io_mode, **extra,
     )
 
 
@@ -63,10 +64,14 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     from . import bench
 
-    rows = bench.run(_model_dir(args), _config(args), warmup=args.warmup, repeat=args.repeat)
-    print(bench.table(rows))
+    if args.sweep:
+        result = bench.sweep(_model_dir(args), _config(args))
+        print(bench.sweep_table(result))
+    else:
+        result = bench.run(_model_dir(args), _config(args), compare_inmemory=args.compare_inmemory)
+        print(bench.table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=2))
 
 
 def cmd_extract_mtp(args) -> None:
@@ -92,8 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="decode tok/s and expert traffic: in-memory vs streaming")
     _add_engine_options(p)
-    p.add_argument("--warmup", type=int, default=8, help="warm-up tokens per scenario")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per scenario (median reported)")
+    p.add_argument("--k", type=int, help="tokens per verify: 1 + K-1 MTP drafts (default 3)")
+    p.add_argument("--verify-mode", choices=("direct", "replay"), help="Gated-DeltaNet commit after a partial accept")
+    p.add_argument("--warmup", dest="warmup_tokens", type=int, help="warm-up tokens per path (default 8)")
+    p.add_argument("--repeat", type=int, help="timed runs per path, medians reported (default 3)")
+    p.add_argument("--pin-hot", type=int, help="pin each layer's N hottest experts, found by a calibration run")
+    p.add_argument("--pin-cal-tokens", type=int, help="tokens of the pin-hot calibration run")
+    p.add_argument("--dump-ids", help="write the greedy and speculative ids to this JSON file")
+    p.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
+    p.add_argument("--sweep", action="store_true", help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
     p.add_argument("--json", help="write the full result here")
     p.set_defaults(func=cmd_bench)
 

@@ -47,6 +47,10 @@ class StreamingConfig:
     #: Speculative decoding: tokens per verify (1 + K-1 drafts) and how Gated-DeltaNet state is committed.
     k: int = 3
     verify_mode: str = "direct"
+    #: Benchmark: warm-up tokens per path, timed runs per path (medians reported), where to dump the ids.
+    warmup_tokens: int = 8
+    repeat: int = 3
+    dump_ids: Optional[str] = None
     #: Pin the ``pin_hot`` hottest experts of every layer, found by a calibration run of ``pin_cal_tokens``.
     pin_hot: int = 0
     pin_cal_tokens: int = 32
@@ -68,11 +72,12 @@ class StreamingConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
-        for name in ("prefill_chunk", "max_tokens", "pin_cal_tokens"):
+        for name in ("prefill_chunk", "max_tokens", "pin_cal_tokens", "repeat"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.pin_hot < 0 or self.memory_allowance < 0:
-            raise ConfigError("pin_hot and memory_allowance must not be negative")
+        for name in ("pin_hot", "memory_allowance", "warmup_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
 
     def replace(self, **changes) -> "StreamingConfig":
         return dataclasses.replace(self, **changes)
@@ -118,4 +123,7 @@ ENV_NAMES = {
     "PIN_HOT": ("pin_hot", int),
     "PIN_CAL_TOK": ("pin_cal_tokens", int),
     "RECORD": ("record", _flag),
+    "WARMUP_TOK": ("warmup_tokens", int),
+    "REPEAT": ("repeat", int),
+    "DUMP_IDS": ("dump_ids", str),
 }

@@ -97,6 +97,11 @@ class ExpertReader:
             raise ExpertIOError(f"{path}: short read, {max(0, got - (offset - start))} of {nbytes} bytes at offset {offset}")
         return np.frombuffer(self._bounce, dtype=np.uint8, count=nbytes, offset=offset - start).copy()
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held for reads (the O_DIRECT bounce buffer)."""
+        return len(self._bounce)
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)

@@ -1,0 +1,1 @@
+"""Memory snapshots and their breakdown."""
