@@ -1,2 +1,17 @@
-"""Repo-level test setup: the fixtures, options and markers come from the installed plugin
-(``mlx_streaming.pytest_plugin``, registered through the ``pytest11`` entry point)."""
+"""Repo-level test setup. Fixtures, options and markers come from the installed plugin
+(``mlx_streaming.pytest_plugin``, registered through the ``pytest11`` entry point); this file only says where
+this repository keeps its recorded benchmark baselines: ``baselines/<machine profile>/`` (pytest-benchmark's
+own storage, one folder per machine id)."""
+
+from pathlib import Path
+
+import pytest
+
+BASELINES = Path(__file__).parent / "baselines"
+PYTEST_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if config.getoption("benchmark_storage", None) == PYTEST_BENCHMARK_DEFAULT_STORAGE:
+        config.option.benchmark_storage = f"file://{BASELINES}"

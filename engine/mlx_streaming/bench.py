@@ -200,3 +200,33 @@ def sweep_table(rows: List[dict]) -> str:
     body = [[r["scenario"], r["io_mode"], r["pool_slots"], r["tok_s"]["median"], r.get("hits", "-"), r.get("disk_loads", "-"),
              r["bytes_read"] / 1e6 if "bytes_read" in r else "-", r["ids_match"]] for r in rows]
     return tabulate(body, headers=["scenario", "io mode", "slots/layer", "decode tok/s", "hits/tok", "disk loads/tok", "MB read/tok", "ids = in-memory"], floatfmt=".2f")
+
+
+def noise_floor(argv: List[str], processes: int) -> dict:
+    """Run ``mlx-streaming bench ARGV`` in ``processes`` fresh processes, one after another: the spread of the
+    tok/s medians and ratios, and whether every process produced the same ids."""
+    import subprocess
+    import tempfile
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(processes):
+            out, ids = Path(tmp) / f"run{i}.json", Path(tmp) / f"ids{i}.json"
+            _say(f"process {i + 1}/{processes}")
+            subprocess.run([sys.executable, "-m", "mlx_streaming", "bench", *argv, "--json", str(out), "--dump-ids", str(ids)],
+                           check=True, stdout=subprocess.DEVNULL)
+            runs.append((json.loads(out.read_text()), json.loads(ids.read_text())))
+
+    def spread(values: List[float]) -> dict:
+        median = statistics.median(values)
+        return {"values": values, "median": median, "min": min(values), "max": max(values),
+                "rel_spread": (max(values) - min(values)) / median if median else 0.0}
+
+    return {
+        "processes": processes,
+        "greedy_tok_s": spread([r["greedy_tok_s"]["median"] for r, _ in runs]),
+        "spec_tok_s": spread([r["spec_tok_s"]["median"] for r, _ in runs]),
+        "speedup": spread([r["speedup"] for r, _ in runs]),
+        "ids_identical_across_processes": all(ids == runs[0][1] for _, ids in runs),
+        "disk_loads_identical": len({(r["greedy_io"]["disk_loads"], r["spec_io"]["disk_loads"]) for r, _ in runs}) == 1,
+    }

@@ -64,7 +64,10 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     from . import bench
 
-    if args.sweep:
+    if args.processes:
+        result = bench.noise_floor(_without(args.argv, ("--processes", "--json", "--dump-ids")), args.processes)
+        print(json.dumps(result, indent=2))
+    elif args.sweep:
         result = bench.sweep(_model_dir(args), _config(args))
         print(bench.sweep_table(result))
     else:
@@ -72,6 +75,19 @@ def cmd_bench(args) -> None:
         print(bench.table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def _without(argv, options) -> list:
+    """``argv`` less each of ``options`` with its value (``--opt VALUE`` or ``--opt=VALUE``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in options)):
+            out.append(arg)
+    return out
 
 
 def cmd_extract_mtp(args) -> None:
@@ -106,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ids", help="write the greedy and speculative ids to this JSON file")
     p.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
     p.add_argument("--sweep", action="store_true", help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
+    p.add_argument("--processes", type=int, help="noise floor: run this benchmark in N fresh processes, report the spread")
     p.add_argument("--json", help="write the full result here")
     p.set_defaults(func=cmd_bench)
 
@@ -118,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # after the subcommand
     try:
         args.func(args)
     except StreamingError as exc:

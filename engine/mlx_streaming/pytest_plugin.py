@@ -6,6 +6,7 @@ suite runs on the default tiny synthetic checkpoint, made once into the cache fo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,68 @@ def pytest_addoption(parser):
     group.addoption("--mtp", default=None, help="MTP weights file (default: the model folder's mtp.safetensors)")
     group.addoption("--pool-slots", type=int, default=None, help="expert slots per layer for the streaming model (default: every expert)")
     group.addoption("--io-mode", default="buffered", choices=("buffered", "direct"), help="how the streaming model reads experts")
+    group.addoption("--perf-max-tokens", type=int, default=16, help="tokens per timed perf round")
+    group.addoption("--perf-repeat", type=int, default=3, help="timed rounds per perf scenario")
+    group.addoption("--perf-ratio-tolerance", type=float, default=None,
+                    help="allowed relative fall of a same-run ratio against the baseline (default 0.15)")
+    group.addoption("--perf-toks-tolerance", type=float, default=None,
+                    help="allowed relative fall of absolute tok/s on the baseline's machine profile (default 0.25)")
+
+
+def _perf_selected(config) -> bool:
+    return "perf" in (config.getoption("markexpr", "") or "")
 
 
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    if _perf_selected(config) and (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
+        raise pytest.UsageError(
+            "perf tests need a single process: pytest-benchmark disables itself under pytest-xdist and would record "
+            "nothing. Run `pytest -m perf` without -n (exact and unit tests may use -n)."
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    """``perf`` tests run only when asked for with ``-m perf``."""
+    if _perf_selected(config):
+        return
+    kept = [item for item in items if item.get_closest_marker("perf") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("perf") is not None])
+        items[:] = kept
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    import mlx.core as mx
+
+    machine_info["mlx_version"] = mx.__version__
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The perf gate: with --benchmark-compare, each scenario's extra_info against the baseline's."""
+    from . import perf_gate
+
+    bench = getattr(session.config, "_benchmarksession", None)
+    if bench is None or not bench.compared_mapping or not bench.benchmarks:
+        return
+    compared = {name: b for mapping in bench.compared_mapping.values() for name, b in mapping.items()}
+    current = {b.fullname: b.extra_info for b in bench.benchmarks}
+    baseline = {name: b.get("extra_info", {}) for name, b in compared.items()}
+    machine_info = bench.get_machine_info()
+    baseline_machine = Path(bench.storage.path) / next(iter(bench.compared_mapping))  # the compared run's file
+    saved = json.loads(baseline_machine.read_text()).get("machine_info", {})
+    same = perf_gate.machine_profile(machine_info) == perf_gate.machine_profile(saved)
+    opt = session.config.getoption
+    violations = perf_gate.check(
+        current, baseline, same,
+        ratio_tolerance=opt("--perf-ratio-tolerance") or perf_gate.DEFAULT_RATIO_TOLERANCE,
+        toks_tolerance=opt("--perf-toks-tolerance") or perf_gate.DEFAULT_TOKS_TOLERANCE,
+    )
+    session.config._mlx_perf_gate = (violations, same, perf_gate.missing(current, baseline), baseline_machine)
+    if violations:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +162,7 @@ def pytest_terminal_summary(terminalreporter):
         for key, value in getattr(report, "user_properties", ())
         if key == EXACTNESS_KEY
     ]
+    _report_perf_gate(terminalreporter)
     if not rows:
         return
     from tabulate import tabulate
@@ -116,3 +175,20 @@ def pytest_terminal_summary(terminalreporter):
         table = [[r["prompt"], r["K"], r["verify_mode"], r["pool"], d["step"], d["top1"], d["top2"], f"{d['gap']:.5f}",
                   "near-tie" if d["near_tie"] else "BUG"] for r in diverged for d in [r["divergence"]]]
         terminalreporter.write_line(tabulate(table, headers=["prompt", "K", "mode", "pool", "step", "top-1", "top-2", "gap", "verdict"]))
+
+
+def _report_perf_gate(terminalreporter) -> None:
+    gate = getattr(terminalreporter.config, "_mlx_perf_gate", None)
+    if gate is None:
+        return
+    from .perf_gate import report
+
+    violations, same, missing, path = gate
+    terminalreporter.section("mlx-streaming perf gate")
+    terminalreporter.write_line(f"baseline: {path}; machine profile {'matches' if same else 'differs: absolute tok/s not checked'}")
+    for name in missing:
+        terminalreporter.write_line(f"{name}: no baseline scenario of that name, not checked")
+    if violations:
+        terminalreporter.write_line("PERF GATE FAILED:\n" + report(violations), red=True)
+    else:
+        terminalreporter.write_line("perf gate passed")
