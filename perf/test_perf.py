@@ -7,6 +7,7 @@ Record a new baseline (single process, on an otherwise idle machine):
     pytest -m perf --benchmark-save=baseline
 """
 
+import json
 import statistics
 
 import pytest
@@ -23,15 +24,25 @@ def perf(request):
     return {"max_tokens": request.config.getoption("--perf-max-tokens"), "repeat": request.config.getoption("--perf-repeat")}
 
 
-@pytest.fixture(scope="module")
-def quarter_pool_direct(model_dir, mtp_path, streaming_config):
+@pytest.fixture
+def fresh_model(model_dir, mtp_path, streaming_config):
+    """A newly built streaming model with its MTP head per call (``"quarter"``: 25% pool, direct mode), so each
+    scenario's counters start from an empty pool whatever ran before it."""
     from mlx_streaming.model import build_streaming_model
 
-    probe = streaming_config.replace(mtp=True, mtp_path=str(mtp_path))
-    with build_streaming_model(model_dir, probe.replace(pool_slots=None)) as full:
-        slots = max(full.store.top_k, full.store.index.num_experts // 4)
-    with build_streaming_model(model_dir, probe.replace(pool_slots=slots, io_mode="direct")) as sm:
-        yield sm
+    built = []
+
+    def make(pool: str):
+        config = streaming_config.replace(mtp=True, mtp_path=str(mtp_path), pool_slots=None)
+        if pool == "quarter":
+            num_experts = json.loads((model_dir / "config.json").read_text())["num_experts"]
+            config = config.replace(pool_slots=num_experts // 4, io_mode="direct")
+        built.append(build_streaming_model(model_dir, config))
+        return built[-1]
+
+    yield make
+    for sm in built:
+        sm.close()
 
 
 def _greedy_rounds(benchmark, model, prompt, perf, store=None):
@@ -55,21 +66,22 @@ def _counters(stats):
     return {"disk_loads": stats["misses"], "hits": stats["hits"]}
 
 
-def test_greedy_full_pool(benchmark, mtp_model, prompt_ids, perf):
-    tok_s, stats = _greedy_rounds(benchmark, mtp_model.model, prompt_ids[0], perf, mtp_model.store)
-    benchmark.extra_info.update(tok_s=tok_s, **_counters(stats), pool_slots=mtp_model.store.capacity, io_mode="buffered")
+def test_greedy_full_pool(benchmark, fresh_model, prompt_ids, perf):
+    sm = fresh_model("full")
+    tok_s, stats = _greedy_rounds(benchmark, sm.model, prompt_ids[0], perf, sm.store)
+    benchmark.extra_info.update(tok_s=tok_s, **_counters(stats), pool_slots=sm.store.capacity, io_mode="buffered")
 
 
-def test_greedy_quarter_pool_direct(benchmark, quarter_pool_direct, prompt_ids, perf):
-    sm = quarter_pool_direct
+def test_greedy_quarter_pool_direct(benchmark, fresh_model, prompt_ids, perf):
+    sm = fresh_model("quarter")
     tok_s, stats = _greedy_rounds(benchmark, sm.model, prompt_ids[0], perf, sm.store)
     benchmark.extra_info.update(tok_s=tok_s, **_counters(stats), pool_slots=sm.store.capacity, io_mode="direct")
 
 
-def test_speculative_k3(benchmark, quarter_pool_direct, prompt_ids, perf):
+def test_speculative_k3(benchmark, fresh_model, prompt_ids, perf):
     """K=3, direct commit, at the 25% pool in direct mode: speedup and disk-load ratio against greedy on the
     same model, measured side by side."""
-    sm, prompt = quarter_pool_direct, prompt_ids[0]
+    sm, prompt = fresh_model("quarter"), prompt_ids[0]
     rates, last = [], {}
 
     def setup():
@@ -95,8 +107,10 @@ def test_speculative_k3(benchmark, quarter_pool_direct, prompt_ids, perf):
     )
 
 
-def test_inmemory_mlx_lm(benchmark, reference_model, mtp_model, prompt_ids, perf):
+def test_inmemory_mlx_lm(benchmark, reference_model, fresh_model, prompt_ids, perf):
     """mlx-lm's own model, and the full-pool streaming model beside it for the streaming / in-memory ratio."""
     tok_s, _ = _greedy_rounds(benchmark, reference_model, prompt_ids[0], perf)
-    streaming = statistics.median(timed_greedy(mtp_model.model, prompt_ids[0], perf["max_tokens"], 256)[0] for _ in range(perf["repeat"]))
+    sm = fresh_model("full")
+    timed_greedy(sm.model, prompt_ids[0], 4, 256)  # warm-up, as the in-memory side had
+    streaming = statistics.median(timed_greedy(sm.model, prompt_ids[0], perf["max_tokens"], 256)[0] for _ in range(perf["repeat"]))
     benchmark.extra_info.update(tok_s=tok_s, streaming_tok_s=streaming, streaming_over_inmemory=streaming / tok_s)

@@ -75,7 +75,7 @@ def test_gate_fails_a_planted_regression_and_passes_an_improvement(tmp_path, pyt
     regressed = _run_perf(root, tmp_path, "--benchmark-compare=0001")
     assert regressed.returncode == 1, regressed.stdout
     assert "PERF GATE FAILED" in regressed.stdout
-    assert "deterministic counter moved" in regressed.stdout and "tok/s fell by more than 25%" in regressed.stdout
+    assert "deterministic counter moved" in regressed.stdout and "tok/s fell by more than 30%" in regressed.stdout
 
     _plant(saved, disk_loads=info["disk_loads"], tok_s=info["tok_s"] / 100)  # baseline slower: we improved
     improved = _run_perf(root, tmp_path, "--benchmark-compare=0001")

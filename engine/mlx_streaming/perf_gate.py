@@ -21,8 +21,10 @@ RATIOS_UP = ("speedup", "streaming_over_inmemory")
 RATIOS_DOWN = ("disk_load_ratio",)
 TOKS = ("tok_s",)
 
-DEFAULT_RATIO_TOLERANCE = 0.15
-DEFAULT_TOKS_TOLERANCE = 0.25
+#: Chosen from the noise floor measured on the 2-core CI machine (README): across 5 fresh processes the
+#: greedy tok/s, speculative tok/s and speedup spread 18%, 26% and 34% (max - min over median).
+DEFAULT_RATIO_TOLERANCE = 0.35
+DEFAULT_TOKS_TOLERANCE = 0.30
 
 
 @dataclass(frozen=True)
