@@ -18,3 +18,36 @@ def test_extracted_head_equals_the_mlx_layout_head(tmp_path, mtp_path):
     for name in written:
         assert extracted[name].dtype == written[name].dtype, name
         assert mx.array_equal(extracted[name], written[name]).item(), name
+
+
+def test_load_mtp_reads_bf16_and_quantized_files_alike(tmp_path, model_dir, mtp_path):
+    """A bf16 MLX-layout head quantized on load equals the head written quantized; quantize=False keeps bf16.
+    The zero-centred norms were turned into 1 + w exactly once."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.qwen3_next import ModelArgs
+
+    from mlx_streaming.checkpoint.mtp_extract import convert_mtp
+    from mlx_streaming.checkpoint.synth import synth_checkpoint
+    from mlx_streaming.mtp.load import load_mtp
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hf = synth_checkpoint(tmp_path / "hf", preset="tiny", seed=0, layout="hf")
+    hf_mtp = {}
+    for shard in hf.glob("model-*.safetensors"):
+        hf_mtp.update({k: v for k, v in mx.load(str(shard)).items() if k.startswith("mtp.")})
+    bf16_file = tmp_path / "mtp-bf16.safetensors"
+    mx.save_safetensors(str(bf16_file), convert_mtp(hf_mtp, ModelArgs.from_dict(config), bits=None))
+
+    quantized_on_load = dict(tree_flatten(load_mtp(config, bf16_file).parameters()))
+    written = dict(tree_flatten(load_mtp(config, mtp_path).parameters()))
+    assert sorted(quantized_on_load) == sorted(written)
+    for name, value in written.items():
+        assert mx.array_equal(quantized_on_load[name], value).item(), name
+
+    kept = load_mtp(config, bf16_file, quantize=False)
+    assert kept.fc.weight.dtype == mx.bfloat16 and "scales" not in kept.fc
+    stored = hf_mtp["mtp.norm.weight"].astype(mx.float32)
+    assert mx.allclose(kept.norm.weight.astype(mx.float32), stored + 1.0, atol=1e-2).item()
+    assert abs(float(stored.mean())) < 0.1 and abs(float(kept.norm.weight.astype(mx.float32).mean()) - 1.0) < 0.1

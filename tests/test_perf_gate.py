@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mlx_streaming import perf_gate
 
 BASE = {"spec": {"tok_s": 10.0, "speedup": 1.5, "disk_load_ratio": 1.2, "disk_loads": 100, "hits": 50, "accepted_drafts": 7, "steps": 9}}
@@ -50,7 +52,7 @@ def test_machine_profile_ignores_what_does_not_matter():
 
 def _run_perf(root, tmp_path, *extra):
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "perf", "-p", "no:xdist", "-q", "perf/test_perf.py::test_greedy_full_pool",
+        [sys.executable, "-m", "pytest", "-m", "perf", "-p", "no:xdist", "-q", "perf/test_perf.py::test_speculative_k3",
          "--perf-max-tokens", "6", "--perf-repeat", "1", f"--benchmark-storage=file://{tmp_path}", *extra],
         capture_output=True, text=True, timeout=600, cwd=root,
         # inside an xdist worker: pytest-benchmark would see the worker's variables and disable itself
@@ -71,13 +73,24 @@ def test_gate_fails_a_planted_regression_and_passes_an_improvement(tmp_path, pyt
     (saved,) = tmp_path.rglob("*_base.json")
     info = json.loads(saved.read_text())["benchmarks"][0]["extra_info"]
 
-    _plant(saved, disk_loads=info["disk_loads"] - 1, tok_s=info["tok_s"] * 100)  # now reads more, runs slower
+    # planted: the baseline read less from disk and sped up more, so this run looks like a regression
+    _plant(saved, disk_loads=info["disk_loads"] - 1, speedup=info["speedup"] * 10, tok_s=info["tok_s"] * 100)
     regressed = _run_perf(root, tmp_path, "--benchmark-compare=0001")
     assert regressed.returncode == 1, regressed.stdout
     assert "PERF GATE FAILED" in regressed.stdout
-    assert "deterministic counter moved" in regressed.stdout and "tok/s fell by more than 30%" in regressed.stdout
+    for rule in ("disk_loads", "deterministic counter moved", "speedup", "ratio fell by more than 35%", "tok/s fell by more than 30%"):
+        assert rule in regressed.stdout, rule
 
-    _plant(saved, disk_loads=info["disk_loads"], tok_s=info["tok_s"] / 100)  # baseline slower: we improved
+    # planted: the baseline was slower with a lower speedup, so this run is an improvement
+    _plant(saved, disk_loads=info["disk_loads"], speedup=info["speedup"] / 10, tok_s=info["tok_s"] / 100)
     improved = _run_perf(root, tmp_path, "--benchmark-compare=0001")
     assert improved.returncode == 0, improved.stdout
     assert "perf gate passed" in improved.stdout
+
+
+def test_perf_run_under_xdist_says_so_instead_of_recording_nothing(pytestconfig):
+    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "perf", "-n", "2", "-q", "perf"], capture_output=True,
+                          text=True, timeout=300, cwd=pytestconfig.rootpath,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")})
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "perf tests need a single process" in done.stderr

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 from mlx_lm.models.qwen3_next import Model, ModelArgs
@@ -23,8 +23,9 @@ MTP_FILE = "mtp.safetensors"
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: int = BITS) -> Dict[str, mx.array]:
-    """Original-layout ``mtp.*`` tensors -> the MLX layout (still ``mtp.``-prefixed), quantized."""
+def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: Optional[int] = BITS) -> Dict[str, mx.array]:
+    """Original-layout ``mtp.*`` tensors -> the MLX layout (still ``mtp.``-prefixed), quantized to ``bits``
+    (router gates 8-bit), or left bf16 when ``bits`` is None."""
     weights = {k.removeprefix("mtp."): v for k, v in hf_weights.items() if k.startswith("mtp.")}
     prefix = "layers.0.mlp"
     for proj in EXPERT_PROJS:
@@ -36,6 +37,8 @@ def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: int = BI
     for name, value in weights.items():
         if is_zero_centred(name):
             weights[name] = value + 1.0
+    if bits is None:
+        return {f"mtp.{k}": v for k, v in weights.items()}
     template = MTPHead(args)
     predicate = Model(args).quant_predicate
 
