@@ -47,6 +47,8 @@ class StreamingConfig:
     #: Speculative decoding: tokens per verify (1 + K-1 drafts) and how Gated-DeltaNet state is committed.
     k: int = 3
     verify_mode: str = "direct"
+    #: Byte-truth verification (STG_VERIFY): check every expert placed into the pool against disk.
+    verify: bool = False
     #: Benchmark: warm-up tokens per path, timed runs per path (medians reported), where to dump the ids.
     warmup_tokens: int = 8
     repeat: int = 3
@@ -126,4 +128,5 @@ ENV_NAMES = {
     "WARMUP_TOK": ("warmup_tokens", int),
     "REPEAT": ("repeat", int),
     "DUMP_IDS": ("dump_ids", str),
+    "STG_VERIFY": ("verify", _flag),
 }

@@ -18,6 +18,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .cache.store import ExpertStore
+from .cache.verify import ByteVerifier
 from .checkpoint.experts import ExpertIndex
 from .checkpoint.mtp_extract import MTP_FILE
 from .checkpoint.safetensors import read_checkpoint_headers, read_header
@@ -91,7 +92,8 @@ def pool_capacity(config: StreamingConfig, num_experts: int, expert_bytes: int, 
     return num_experts
 
 
-def build_streaming_model(path, config: Optional[StreamingConfig] = None) -> StreamingModel:
+def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader: Optional[ExpertReader] = None) -> StreamingModel:
+    """``reader`` replaces the one ``config.io_mode`` would make (tests inject faults through it)."""
     path = Path(path)
     config = config or StreamingConfig()
     model_config = read_config(path)
@@ -117,7 +119,9 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None) -> Str
     expert_names = set(index.expert_tensor_names())
     dense_bytes = sum(t.nbytes for name, t in tensors.items() if name not in expert_names)
     capacity = pool_capacity(config, index.num_experts, index.expert_bytes, len(prefixes), dense_bytes)
-    store = ExpertStore(index, ExpertReader(config.io_mode), capacity, model_config["num_experts_per_tok"], config.record)
+    store = ExpertStore(index, reader or ExpertReader(config.io_mode), capacity, model_config["num_experts_per_tok"], config.record)
+    if config.verify:
+        store.verifier = ByteVerifier(index)
     for i, block in blocks.items():
         block.switch_mlp = StreamingSwitchGLU(block.switch_mlp, i, store)
     mx.eval(model.parameters(), head.parameters() if head else [])

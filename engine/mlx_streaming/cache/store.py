@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
-from ..errors import PoolTooSmallError
+from ..errors import ExpertIOError, PoolTooSmallError
 from ..io.reader import ExpertReader
 from .policy import LRUSlots
 
@@ -52,6 +52,8 @@ class ExpertStore:
         #: When a list, every layer call appends (layer, tokens in the call, distinct experts routed): the
         #: union-of-experts profile. Off (None) unless asked for.
         self.union_log = None
+        #: A ByteVerifier when byte-truth verification is on: every expert placed is checked against disk.
+        self.verifier = None
         self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
         self.reset_stats()
 
@@ -63,9 +65,14 @@ class ExpertStore:
         for name in self.COUNTERS:
             setattr(self, name, 0)
         self.layer_misses = {layer: 0 for layer in self.pools}
+        if self.verifier is not None:
+            self.verifier.reset_stats()
 
     def stats(self) -> dict:
-        return {name: getattr(self, name) for name in self.COUNTERS}
+        counters = {name: getattr(self, name) for name in self.COUNTERS}
+        if self.verifier is not None:
+            counters.update(self.verifier.stats())
+        return counters
 
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
         """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
@@ -87,19 +94,30 @@ class ExpertStore:
         return [policy.slot(e) for e in experts]
 
     def _load(self, layer: int, experts: List[int], protected: set) -> None:
-        slices = [s for e in experts for s in self.index.slices(layer, e)]
-        buffers = self.reader.read([(s.path, s.offset, s.nbytes) for s in slices])
+        """Read every expert's bytes first (a failed read leaves the pool as it was), then place them."""
+        loaded = []
+        for expert in experts:
+            slices = self.index.slices(layer, expert)
+            try:
+                buffers = self.reader.read([(s.path, s.offset, s.nbytes) for s in slices])
+            except ExpertIOError as exc:
+                raise ExpertIOError(f"layer {layer} expert {expert}: {exc}") from None
+            loaded.append((expert, slices, buffers))
         pool, policy = self.pools[layer], self.policies[layer]
-        per_expert = len(slices) // len(experts)
-        for i, expert in enumerate(experts):
+        placed = []
+        for expert, slices, buffers in loaded:
             slot, evicted = policy.place(expert, protected)
             self.evictions += evicted is not None
-            for s, buf in zip(slices[i * per_expert:(i + 1) * per_expert], buffers[i * per_expert:(i + 1) * per_expert]):
+            for s, buf in zip(slices, buffers):
                 pool[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
+            placed.append((expert, slot))
+            self.bytes_read += sum(s.nbytes for s in slices)
         mx.eval(list(pool.values()))
         self.misses += len(experts)
         self.layer_misses[layer] += len(experts)
-        self.bytes_read += sum(s.nbytes for s in slices)
+        if self.verifier is not None:
+            for expert, slot in placed:
+                self.verifier.check(layer, expert, pool, slot)
 
     def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
         """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""

@@ -70,6 +70,16 @@ class ExpertReader:
         """O_DIRECT open; EINVAL means the filesystem refuses it."""
         return os.open(path, os.O_RDONLY | os.O_DIRECT)
 
+    # The two system calls, as methods so a test can inject faults (EIO, short reads) beneath the real
+    # error handling.
+    @staticmethod
+    def _pread(fd: int, nbytes: int, offset: int) -> bytes:
+        return os.pread(fd, nbytes, offset)
+
+    @staticmethod
+    def _preadv(fd: int, buffer: memoryview, offset: int) -> int:
+        return os.preadv(fd, [buffer], offset)
+
     def read(self, ranges: Sequence[tuple]) -> List[np.ndarray]:
         """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order."""
         return [self._read_one(str(path), offset, nbytes) for path, offset, nbytes in ranges]
@@ -79,7 +89,7 @@ class ExpertReader:
         try:
             if self.effective_modes[path] == "direct" and sys.platform.startswith("linux"):
                 return self._read_aligned(path, fd, offset, nbytes)
-            data = os.pread(fd, nbytes, offset)
+            data = self._pread(fd, nbytes, offset)
         except OSError as exc:
             raise ExpertIOError(f"{path}: read of {nbytes} bytes at offset {offset} failed ({exc.strerror})") from None
         if len(data) != nbytes:
@@ -92,7 +102,7 @@ class ExpertReader:
         if len(self._bounce) < span:
             self._bounce.close()
             self._bounce = mmap.mmap(-1, span)
-        got = os.preadv(fd, [memoryview(self._bounce)[:span]], start)
+        got = self._preadv(fd, memoryview(self._bounce)[:span], start)
         if got < offset + nbytes - start:
             raise ExpertIOError(f"{path}: short read, {max(0, got - (offset - start))} of {nbytes} bytes at offset {offset}")
         return np.frombuffer(self._bounce, dtype=np.uint8, count=nbytes, offset=offset - start).copy()
