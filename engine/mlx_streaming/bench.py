@@ -52,7 +52,8 @@ def _store_counters(store) -> dict:
     looked_up = s["hits"] + s["misses"]
     return {"disk_loads": s["misses"], "hits": s["hits"], "hit_rate": s["hits"] / looked_up if looked_up else 0.0,
             "bytes_read": s["bytes_read"], "evictions": s["evictions"], "fastpath": s["fastpath"],
-            "fallback": s["fallback"], "grouped": s["grouped"]}
+            "fallback": s["fallback"], "grouped": s["grouped"],
+            **{k: v for k, v in s.items() if k.startswith("verify_")}}
 
 
 def _timed_runs(label: str, once: Callable[[], tuple], store, repeat: int) -> tuple:

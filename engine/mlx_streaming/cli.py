@@ -19,13 +19,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-bytes", type=parse_size, help="bytes of resident experts, e.g. 2G")
     p.add_argument("--memory-budget", type=parse_size, help="bytes for the whole process, e.g. 24G")
     p.add_argument("--io-mode", choices=("buffered", "direct"), help="read experts through the page cache or not")
+    p.add_argument("--verify", action="store_true", default=None, help="byte-truth: check every expert placed into the pool against disk (STG_VERIFY=1)")
 
 
 def _config(args) -> StreamingConfig:
     extra = {name: getattr(args, name, None) for name in ("k", "verify_mode", "warmup_tokens", "repeat", "dump_ids", "pin_hot", "pin_cal_tokens")}
     return StreamingConfig.from_env(
         prompt=args.prompt, max_tokens=args.max_tokens, pool_slots=args.pool_slots, pool_bytes=args.pool_bytes,
-        memory_budget=args.memory_budget, io_mode=args.io_mode, **extra,
+        memory_budget=args.memory_budget, io_mode=args.io_mode, verify=args.verify, **extra,
     )
 
 
