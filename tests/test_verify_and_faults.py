@@ -50,11 +50,11 @@ class FaultyReader(ExpertReader):
 
     def __init__(self, fault: str, fail_at: int):
         super().__init__("buffered")
-        self.fault, self.fail_at, self.reads = fault, fail_at, 0
+        self.fault, self.fail_at, self.calls = fault, fail_at, 0
 
     def _pread(self, fd, nbytes, offset):
-        self.reads += 1
-        if self.reads == self.fail_at:
+        self.calls += 1
+        if self.calls == self.fail_at:
             if self.fault == "eio":
                 raise OSError(errno.EIO, "Input/output error")
             return ExpertReader._pread(fd, nbytes // 2, offset)

@@ -19,6 +19,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-bytes", type=parse_size, help="bytes of resident experts, e.g. 2G")
     p.add_argument("--memory-budget", type=parse_size, help="bytes for the whole process, e.g. 24G")
     p.add_argument("--io-mode", choices=("buffered", "direct"), help="read experts through the page cache or not")
+    p.add_argument("--packed", dest="packed_dir", help="read experts from this packed layout (mlx-streaming repack)")
     p.add_argument("--verify", action="store_true", default=None, help="byte-truth: check every expert placed into the pool against disk (STG_VERIFY=1)")
 
 
@@ -26,7 +27,7 @@ def _config(args) -> StreamingConfig:
     extra = {name: getattr(args, name, None) for name in ("k", "verify_mode", "warmup_tokens", "repeat", "dump_ids", "pin_hot", "pin_cal_tokens")}
     return StreamingConfig.from_env(
         prompt=args.prompt, max_tokens=args.max_tokens, pool_slots=args.pool_slots, pool_bytes=args.pool_bytes,
-        memory_budget=args.memory_budget, io_mode=args.io_mode, verify=args.verify, **extra,
+        memory_budget=args.memory_budget, io_mode=args.io_mode, verify=args.verify, packed_dir=args.packed_dir, **extra,
     )
 
 
@@ -91,6 +92,15 @@ def _without(argv, options) -> list:
     return out
 
 
+def cmd_repack(args) -> None:
+    from .checkpoint.packed import repack
+    from .model import open_checkpoint
+
+    model_dir = _model_dir(args)
+    has_mtp = (model_dir / "mtp.safetensors").exists()
+    print(repack(open_checkpoint(model_dir, StreamingConfig(mtp=has_mtp)).index, args.out))
+
+
 def cmd_extract_mtp(args) -> None:
     from .checkpoint.mtp_extract import extract_mtp
 
@@ -126,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, help="noise floor: run this benchmark in N fresh processes, report the spread")
     p.add_argument("--json", help="write the full result here")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("repack", help="write the experts in the packed layout (one aligned record per expert)")
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded default model)")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_repack)
 
     p = sub.add_parser("extract-mtp", help="pull mtp.* out of an original-layout checkpoint")
     p.add_argument("--hf", type=Path, required=True)

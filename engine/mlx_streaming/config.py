@@ -34,6 +34,8 @@ class StreamingConfig:
     memory_allowance: int = DEFAULT_MEMORY_ALLOWANCE
     #: ``buffered`` reads through the page cache; ``direct`` bypasses it (O_DIRECT / F_NOCACHE).
     io_mode: str = "buffered"
+    #: Read experts from the packed layout in this folder (``mlx-streaming repack``) instead of the shards.
+    packed_dir: Optional[str] = None
     #: Count every routed (layer, expert) so that ``store.hot(layer, n)`` can name the hottest experts.
     record: bool = False
     #: Prompt tokens per forward during prefill.

@@ -21,6 +21,7 @@ from .cache.store import ExpertStore
 from .cache.verify import ByteVerifier
 from .checkpoint.experts import ExpertIndex
 from .checkpoint.mtp_extract import MTP_FILE
+from .checkpoint.packed import packed_index
 from .checkpoint.safetensors import read_checkpoint_headers, read_header
 from .config import StreamingConfig
 from .errors import CheckpointError, ConfigMismatchError, MissingTensorError, PoolTooSmallError
@@ -92,10 +93,20 @@ def pool_capacity(config: StreamingConfig, num_experts: int, expert_bytes: int, 
     return num_experts
 
 
-def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader: Optional[ExpertReader] = None) -> StreamingModel:
-    """``reader`` replaces the one ``config.io_mode`` would make (tests inject faults through it)."""
-    path = Path(path)
-    config = config or StreamingConfig()
+@dataclass
+class _Checkpoint:
+    """A checkpoint opened lazily: the mlx-lm model (nothing read yet), its MoE blocks by layer id (the MTP
+    head's under ``num_hidden_layers``), the head, and the index of every expert."""
+
+    model: object
+    model_config: dict
+    blocks: dict
+    head: Optional[object]
+    index: ExpertIndex
+    dense_bytes: int
+
+
+def open_checkpoint(path: Path, config: StreamingConfig) -> _Checkpoint:
     model_config = read_config(path)
     tensors = read_checkpoint_headers(path)
     try:
@@ -118,14 +129,25 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     index = ExpertIndex(tensors, prefixes, model_config)
     expert_names = set(index.expert_tensor_names())
     dense_bytes = sum(t.nbytes for name, t in tensors.items() if name not in expert_names)
-    capacity = pool_capacity(config, index.num_experts, index.expert_bytes, len(prefixes), dense_bytes)
+    if config.packed_dir:
+        index = packed_index(index, Path(config.packed_dir))
+    return _Checkpoint(model, model_config, blocks, head, index, dense_bytes)
+
+
+def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader: Optional[ExpertReader] = None) -> StreamingModel:
+    """``reader`` replaces the one ``config.io_mode`` would make (tests inject faults through it)."""
+    path = Path(path)
+    config = config or StreamingConfig()
+    ckpt = open_checkpoint(path, config)
+    index, model_config = ckpt.index, ckpt.model_config
+    capacity = pool_capacity(config, index.num_experts, index.expert_bytes, len(ckpt.blocks), ckpt.dense_bytes)
     store = ExpertStore(index, reader or ExpertReader(config.io_mode), capacity, model_config["num_experts_per_tok"], config.record)
     if config.verify:
         store.verifier = ByteVerifier(index)
-    for i, block in blocks.items():
+    for i, block in ckpt.blocks.items():
         block.switch_mlp = StreamingSwitchGLU(block.switch_mlp, i, store)
-    mx.eval(model.parameters(), head.parameters() if head else [])
-    sm = StreamingModel(model, load_tokenizer(path), store, config, path, model_config, dense_bytes, head)
+    mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
+    sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, ckpt.dense_bytes, ckpt.head)
     if config.pin_hot:
         pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
     return sm

@@ -1,7 +1,7 @@
 """Byte-truth verification: the bytes that land in the pool are the bytes on disk.
 
 Checksums (CRC32) of every expert tensor are computed once, when the verifier is built, by a path that
-shares nothing with the reader (buffered Python file reads of whole stacked tensors); every expert placed
+shares nothing with the reader (buffered Python file objects, one read per tensor); every expert placed
 into the pool is then read back out of the MLX pool arrays and checked. So a fault anywhere on the way (the
 read, the dtype view, the slot write) or a shard changed on disk after indexing is caught. ``calls`` counts
 checks, so a report of ``bad == 0`` can show that checks ran.
@@ -31,13 +31,17 @@ class ByteVerifier:
     def __init__(self, index: ExpertIndex):
         self.index = index
         self._expected: Dict[Tuple[int, int, str], int] = {}
-        for layer in index.layers:
-            for tensor, first in ((s.tensor, s) for s in index.slices(layer, 0)):
-                with open(first.path, "rb") as f:
-                    f.seek(first.offset)
-                    stacked = f.read(first.nbytes * index.num_experts)
+        files = {}
+        try:
+            for layer in index.layers:
                 for e in range(index.num_experts):
-                    self._expected[(layer, e, tensor)] = _crc(stacked[e * first.nbytes:(e + 1) * first.nbytes])
+                    for s in index.slices(layer, e):
+                        f = files.get(s.path) or files.setdefault(s.path, open(s.path, "rb"))
+                        f.seek(s.offset)
+                        self._expected[(layer, e, s.tensor)] = _crc(f.read(s.nbytes))
+        finally:
+            for f in files.values():
+                f.close()
         self.calls = self.ok = self.bad = 0
 
     def reset_stats(self) -> None:

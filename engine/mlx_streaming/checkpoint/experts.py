@@ -41,6 +41,8 @@ class ExpertIndex:
         self.num_experts = num_experts = config["num_experts"]
         dims = (config["hidden_size"], config["moe_intermediate_size"])
         self._layers: Dict[int, Dict[str, TensorInfo]] = {}
+        #: Per layer and tensor: (file, offset of expert 0, bytes from one expert to the next).
+        self.placement: Dict[int, Dict[str, Tuple[object, int, int]]] = {}
         self.tensor_specs: Dict[str, Tuple[str, tuple]] = {}
         for layer, prefix in layers.items():
             infos = {}
@@ -56,7 +58,9 @@ class ExpertIndex:
                 if self.tensor_specs[name] != spec:
                     raise ConfigMismatchError(f"{info.path}: tensor {full} is {spec}, other layers have {self.tensor_specs[name]}")
             self._layers[layer] = infos
-        self.expert_bytes = sum(i.nbytes // num_experts for i in next(iter(self._layers.values())).values()) if self._layers else 0
+            self.placement[layer] = {n: (i.path, i.offset, i.nbytes // num_experts) for n, i in infos.items()}
+        self.tensor_nbytes = {n: i.nbytes // num_experts for n, i in next(iter(self._layers.values())).items()} if self._layers else {}
+        self.expert_bytes = sum(self.tensor_nbytes.values())
 
     @staticmethod
     def _check(info: TensorInfo, name: str, num_experts: int, hidden: int, inter: int, quant: dict) -> None:
@@ -83,11 +87,18 @@ class ExpertIndex:
 
     def slices(self, layer: int, expert: int) -> List[ExpertSlice]:
         """The 9 tensors of one expert, in ``TENSOR_NAMES`` order."""
-        out = []
-        for name, info in self._layers[layer].items():
-            stride = info.nbytes // self.num_experts
-            out.append(ExpertSlice(name, info.path, info.offset + expert * stride, stride, info.dtype, tuple(info.shape[1:])))
-        return out
+        return [
+            ExpertSlice(name, path, base + expert * stride, self.tensor_nbytes[name], *self.tensor_specs[name])
+            for name, (path, base, stride) in self.placement[layer].items()
+        ]
+
+    def relocated(self, placement: Dict[int, Dict[str, Tuple[object, int, int]]]) -> "ExpertIndex":
+        """A copy of this index whose experts are read from ``placement`` (e.g. the packed layout)."""
+        if set(placement) != set(self.placement) or any(set(p) != set(TENSOR_NAMES) for p in placement.values()):
+            raise ConfigMismatchError("the packed expert index does not cover the checkpoint's MoE layers and tensors")
+        copy = object.__new__(ExpertIndex)
+        copy.__dict__.update(self.__dict__, placement=placement)
+        return copy
 
     def expert_tensor_names(self) -> List[str]:
         """Full names of every expert tensor the index covers (what the dense load must leave alone)."""

@@ -32,6 +32,8 @@ class ExpertReader:
         self.io_mode = io_mode
         self._fds: Dict[str, int] = {}
         self.effective_modes: Dict[str, str] = {}
+        #: System reads issued (after merging adjacent ranges).
+        self.reads = 0
         self._bounce = mmap.mmap(-1, ALIGN)
 
     def _fd(self, path) -> int:
@@ -81,8 +83,22 @@ class ExpertReader:
         return os.preadv(fd, [buffer], offset)
 
     def read(self, ranges: Sequence[tuple]) -> List[np.ndarray]:
-        """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order."""
-        return [self._read_one(str(path), offset, nbytes) for path, offset, nbytes in ranges]
+        """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order. Consecutive ranges that
+        lie back to back in one file are fetched by one read (a packed expert is one read)."""
+        out: List[np.ndarray] = []
+        i = 0
+        while i < len(ranges):
+            path, offset, nbytes = ranges[i]
+            j, end = i + 1, offset + nbytes
+            while j < len(ranges) and ranges[j][0] == path and ranges[j][1] == end:
+                end += ranges[j][2]
+                j += 1
+            data = self._read_one(str(path), offset, end - offset)
+            self.reads += 1
+            for _, start, n in ranges[i:j]:
+                out.append(data[start - offset:start - offset + n])
+            i = j
+        return out
 
     def _read_one(self, path: str, offset: int, nbytes: int) -> np.ndarray:
         fd = self._fd(path)

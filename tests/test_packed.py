@@ -1,0 +1,55 @@
+"""The packed expert layout: one aligned record per expert, one read per expert, identical output."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mlx_streaming.config import StreamingConfig
+from mlx_streaming.errors import CheckpointError
+from mlx_streaming.generate import greedy_generate
+from mlx_streaming.model import build_streaming_model
+
+
+@pytest.fixture(scope="module")
+def packed_dir(tmp_path_factory, model_dir):
+    out = tmp_path_factory.mktemp("packed")
+    done = subprocess.run([sys.executable, "-m", "mlx_streaming", "repack", "--model", str(model_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.parametrize("io_mode", ["buffered", "direct"])
+def test_packed_layout_reads_once_per_expert_and_decodes_identically(model_dir, packed_dir, reference_model, prompt_ids, io_mode):
+    config = StreamingConfig(pool_slots=6, io_mode=io_mode, verify=True)
+    with build_streaming_model(model_dir, config.replace(packed_dir=str(packed_dir))) as packed:
+        ids = greedy_generate(packed.model, prompt_ids[0], 24)
+        stats, reads = packed.store.stats(), packed.store.reader.reads
+        assert all(s.offset % 4096 == 0 for s in packed.store.index.slices(0, 3)[:1])
+    with build_streaming_model(model_dir, config) as scattered:
+        assert greedy_generate(scattered.model, prompt_ids[0], 24) == ids
+        assert scattered.store.reader.reads == 9 * scattered.store.stats()["misses"]
+        assert scattered.store.stats()["misses"] == stats["misses"]
+    assert reads == stats["misses"] > 0  # one read per expert
+    assert stats["verify_calls"] == stats["misses"] and stats["verify_bad"] == 0
+    assert ids == greedy_generate(reference_model, prompt_ids[0], 24)
+
+
+def test_packed_layout_covers_the_mtp_layer(model_dir, packed_dir, prompt_ids):
+    with build_streaming_model(model_dir, StreamingConfig(mtp=True, pool_slots=6, packed_dir=str(packed_dir))) as sm:
+        mtp_layer = sm.model_config["num_hidden_layers"]
+        assert sm.store.index.slices(mtp_layer, 0)[0].path.parent == packed_dir
+
+
+def test_missing_or_truncated_packed_files_are_named(tmp_path, model_dir, packed_dir):
+    with pytest.raises(CheckpointError, match="packed_index.json: missing"):
+        build_streaming_model(model_dir, StreamingConfig(packed_dir=str(tmp_path)))
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(packed_dir, broken)
+    victim = broken / "experts-layer002.bin"
+    victim.write_bytes(victim.read_bytes()[:-4096])
+    with pytest.raises(CheckpointError, match="experts-layer002.bin: packed experts of layer 2 missing or truncated"):
+        build_streaming_model(model_dir, StreamingConfig(packed_dir=str(broken)))
