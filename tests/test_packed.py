@@ -53,3 +53,14 @@ def test_missing_or_truncated_packed_files_are_named(tmp_path, model_dir, packed
     victim.write_bytes(victim.read_bytes()[:-4096])
     with pytest.raises(CheckpointError, match="experts-layer002.bin: packed experts of layer 2 missing or truncated"):
         build_streaming_model(model_dir, StreamingConfig(packed_dir=str(broken)))
+
+
+def test_raw_read_probe_reads_one_expert_per_call(model_dir, packed_dir):
+    from mlx_streaming.bench import raw_read_probe
+    from mlx_streaming.model import open_checkpoint
+
+    scattered = open_checkpoint(model_dir, StreamingConfig()).index
+    packed = open_checkpoint(model_dir, StreamingConfig(packed_dir=str(packed_dir))).index
+    a, b = raw_read_probe(scattered, "direct", experts=16), raw_read_probe(packed, "direct", experts=16)
+    assert (a["reads_per_expert"], b["reads_per_expert"]) == (9.0, 1.0)
+    assert a["bytes"] == b["bytes"] == 16 * scattered.expert_bytes and a["gbps"] > 0 and b["gbps"] > 0

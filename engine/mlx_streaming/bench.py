@@ -231,3 +231,46 @@ def noise_floor(argv: List[str], processes: int) -> dict:
         "ids_identical_across_processes": all(ids == runs[0][1] for _, ids in runs),
         "disk_loads_identical": len({(r["greedy_io"]["disk_loads"], r["spec_io"]["disk_loads"]) for r, _ in runs}) == 1,
     }
+
+
+def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0) -> dict:
+    """Read ``experts`` random experts with a fresh reader, one expert per read call as the engine does:
+    the disk's rate at the expert read size, in this io mode, without the engine around it."""
+    import numpy as np
+
+    from .io.reader import ExpertReader
+
+    rng = np.random.default_rng(seed)
+    picks = [(int(rng.choice(index.layers)), int(rng.integers(index.num_experts))) for _ in range(experts)]
+    reader = ExpertReader(io_mode)
+    try:
+        start = time.perf_counter()
+        for layer, expert in picks:
+            reader.read([(s.path, s.offset, s.nbytes) for s in index.slices(layer, expert)])
+        seconds = time.perf_counter() - start
+    finally:
+        reader.close()
+    return {"experts": experts, "bytes": experts * index.expert_bytes, "seconds": seconds,
+            "gbps": experts * index.expert_bytes / seconds / 1e9, "reads_per_expert": reader.reads / experts}
+
+
+def io_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """Raw disk rate at the expert read size, then greedy decoding at the configured pool and io mode: the
+    engine's demand-load rate (bytes read / seconds in demand reads) against the raw rate."""
+    from .model import build_streaming_model
+
+    with build_streaming_model(model_dir, config) as sm:
+        _say(f"raw read probe ({config.io_mode})")
+        raw = raw_read_probe(sm.store.index, config.io_mode)
+        prompt_ids = sm.tokenizer.encode(config.prompt)
+        if config.warmup_tokens:
+            timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
+        rates, (ids,), counters = _timed_runs("greedy", lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
+        s = sm.store.stats()
+        demand = s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0
+        return {"model": str(model_dir), "io_mode": config.io_mode, "layout": "packed" if config.packed_dir else "scattered",
+                "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
+                "expert_bytes": sm.store.index.expert_bytes, "max_tokens": config.max_tokens, "repeat": config.repeat,
+                "raw_read": raw, "demand_read_gbps": demand, "demand_over_raw": demand / raw["gbps"],
+                "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
+                "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}

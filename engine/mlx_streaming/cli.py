@@ -69,6 +69,9 @@ def cmd_bench(args) -> None:
     if args.processes:
         result = bench.noise_floor(_without(args.argv, ("--processes", "--json", "--dump-ids")), args.processes)
         print(json.dumps(result, indent=2))
+    elif args.io:
+        result = bench.io_report(_model_dir(args), _config(args))
+        print(json.dumps(result, indent=2))
     elif args.sweep:
         result = bench.sweep(_model_dir(args), _config(args))
         print(bench.sweep_table(result))
@@ -133,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ids", help="write the greedy and speculative ids to this JSON file")
     p.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
     p.add_argument("--sweep", action="store_true", help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
+    p.add_argument("--io", action="store_true", help="disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)")
     p.add_argument("--processes", type=int, help="noise floor: run this benchmark in N fresh processes, report the spread")
     p.add_argument("--json", help="write the full result here")
     p.set_defaults(func=cmd_bench)

@@ -8,6 +8,7 @@ else holds its buffer between steps.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, Iterable, List, Sequence
 
 import mlx.core as mx
@@ -30,7 +31,8 @@ def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
 class ExpertStore:
     #: fastpath / fallback: layer calls whose routed experts were all resident / were not;
     #: grouped: layer calls that needed more experts than fit and ran in groups.
-    COUNTERS = ("hits", "misses", "evictions", "bytes_read", "fastpath", "fallback", "grouped")
+    #: read_s: seconds spent in demand reads (bytes_read / read_s is the engine's demand-load rate).
+    COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_s", "fastpath", "fallback", "grouped")
 
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False):
         if capacity < top_k:
@@ -65,6 +67,7 @@ class ExpertStore:
         for name in self.COUNTERS:
             setattr(self, name, 0)
         self.layer_misses = {layer: 0 for layer in self.pools}
+        self.reader.reads = 0
         if self.verifier is not None:
             self.verifier.reset_stats()
 
@@ -98,10 +101,12 @@ class ExpertStore:
         loaded = []
         for expert in experts:
             slices = self.index.slices(layer, expert)
+            start = time.perf_counter()
             try:
                 buffers = self.reader.read([(s.path, s.offset, s.nbytes) for s in slices])
             except ExpertIOError as exc:
                 raise ExpertIOError(f"layer {layer} expert {expert}: {exc}") from None
+            self.read_s += time.perf_counter() - start
             loaded.append((expert, slices, buffers))
         pool, policy = self.pools[layer], self.policies[layer]
         placed = []
