@@ -48,3 +48,18 @@ def test_synth_cli_writes_a_loadable_checkpoint(tmp_path):
     model, tokenizer = mlx_lm.load(str(tmp_path / "m"))
     text = mlx_lm.generate(model, tokenizer, "hello", max_tokens=8)
     assert isinstance(text, str) and len(tokenizer.encode(text)) > 0
+
+
+def test_bench_sweep_and_noise_floor_modes(model_dir, tmp_path):
+    sweep = _cli("bench", "--model", str(model_dir), "--sweep", "--max-tokens", "4", "--warmup", "2", "--repeat", "1",
+                 "--json", str(tmp_path / "sweep.json"))
+    assert sweep.returncode == 0, sweep.stderr
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["scenario"] for r in rows] == ["mlx-lm in-memory", "streaming 100%", "streaming 25%", "streaming 25%"]
+    assert all(r["ids_match"] for r in rows) and rows[2]["disk_loads"] > 0
+    noise = _cli("bench", "--model", str(model_dir), "--processes", "2", "--max-tokens", "4", "--warmup", "0", "--repeat", "1",
+                 "--pool-slots", "6")
+    assert noise.returncode == 0, noise.stderr
+    report = json.loads(noise.stdout)
+    assert report["processes"] == 2 and len(report["greedy_tok_s"]["values"]) == 2
+    assert report["ids_identical_across_processes"] and report["disk_loads_identical"]
