@@ -1,8 +1,9 @@
-"""The ``mlx-streaming`` console script: synth, generate, bench, extract-mtp."""
+"""The ``mlx-streaming`` console script: synth, generate, bench, repack, extract-mtp."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,11 +25,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args) -> StreamingConfig:
-    extra = {name: getattr(args, name, None) for name in ("k", "verify_mode", "warmup_tokens", "repeat", "dump_ids", "pin_hot", "pin_cal_tokens")}
-    return StreamingConfig.from_env(
-        prompt=args.prompt, max_tokens=args.max_tokens, pool_slots=args.pool_slots, pool_bytes=args.pool_bytes,
-        memory_budget=args.memory_budget, io_mode=args.io_mode, verify=args.verify, packed_dir=args.packed_dir, **extra,
-    )
+    """Every option whose destination is a StreamingConfig field, over the seed's environment names."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StreamingConfig) if hasattr(args, f.name)}
+    return StreamingConfig.from_env(**given)
 
 
 def _model_dir(args) -> Path:
