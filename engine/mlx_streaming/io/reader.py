@@ -18,6 +18,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+from ..config import IO_MODES
 from ..errors import ConfigError, ExpertIOError
 
 ALIGN = 4096
@@ -27,8 +28,8 @@ F_NOCACHE = 48
 
 class ExpertReader:
     def __init__(self, io_mode: str = "buffered"):
-        if io_mode not in ("buffered", "direct"):
-            raise ConfigError(f"io_mode must be 'buffered' or 'direct', got {io_mode!r}")
+        if io_mode not in IO_MODES:
+            raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {io_mode!r}")
         self.io_mode = io_mode
         self._fds: Dict[str, int] = {}
         self.effective_modes: Dict[str, str] = {}

@@ -21,9 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
+from ..config import VERIFY_MODES
 from ..generate import forward_with_hidden
 
-VERIFY_MODES = ("direct", "replay")
 PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", "finalize")
 
 
