@@ -4,7 +4,6 @@ import json
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from mlx_streaming.checkpoint.safetensors import read_checkpoint_headers
 from mlx_streaming.checkpoint.synth import synth_checkpoint

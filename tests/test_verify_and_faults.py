@@ -1,7 +1,6 @@
 """Byte-truth verification (STG_VERIFY) and I/O faults in the middle of decoding."""
 
 import errno
-import json
 import shutil
 import time
 

@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import mlx.core as mx
 
@@ -170,24 +170,22 @@ def table(result: dict) -> str:
 def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=("buffered", "direct")) -> List[dict]:
     """Greedy decode tok/s and expert traffic: mlx-lm in-memory, then streaming at each pool fraction and io
     mode (the full pool only buffered: it reads each expert once)."""
-    import mlx_lm
+    from mlx_lm.utils import load_tokenizer
 
-    from .model import build_streaming_model
+    from .model import build_streaming_model, read_config
 
-    _say("in-memory")
-    model, tokenizer = mlx_lm.load(str(model_dir))
-    prompt_ids = tokenizer.encode(config.prompt)
-    num_experts = model.args.num_experts
-    timed_greedy(model, prompt_ids, max(config.warmup_tokens, 2), config.prefill_chunk)
-    rates, (reference,), _ = _timed_runs("in-memory", lambda: timed_greedy(model, prompt_ids, config.max_tokens, config.prefill_chunk), None, config.repeat)
-    rows = [{"scenario": "mlx-lm in-memory", "io_mode": "-", "pool_slots": "-", "tok_s": _spread(rates), "ids_match": True}]
-    del model
+    prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
+    num_experts = read_config(Path(model_dir))["num_experts"]
+    inmemory = _inmemory(model_dir, config, prompt_ids)
+    reference = inmemory["ids"]
+    rows = [{"scenario": "mlx-lm in-memory", "io_mode": "-", "pool_slots": "-", "tok_s": inmemory["tok_s"], "ids_match": True}]
     for fraction in pools:
         for io_mode in io_modes[:1] if fraction >= 1.0 else io_modes:
             slots = max(1, round(num_experts * fraction))
             cfg = config.replace(pool_slots=slots, pool_bytes=None, memory_budget=None, io_mode=io_mode)
             with build_streaming_model(model_dir, cfg) as sm:
-                timed_greedy(sm.model, prompt_ids, max(config.warmup_tokens, 2), config.prefill_chunk)
+                if config.warmup_tokens:
+                    timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
                 rates, (ids,), counters = _timed_runs(f"stream {fraction:.0%} {io_mode}", lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
             rows.append({"scenario": f"streaming {fraction:.0%}", "io_mode": io_mode, "pool_slots": slots, "tok_s": _spread(rates),
                          "ids_match": ids == reference, **{k: counters[k] / len(ids) for k in ("hits", "disk_loads", "bytes_read")}})

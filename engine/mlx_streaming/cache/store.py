@@ -66,7 +66,6 @@ class ExpertStore:
     def reset_stats(self) -> None:
         for name in self.COUNTERS:
             setattr(self, name, 0)
-        self.layer_misses = {layer: 0 for layer in self.pools}
         self.reader.reads = 0
         if self.verifier is not None:
             self.verifier.reset_stats()
@@ -119,7 +118,6 @@ class ExpertStore:
             self.bytes_read += sum(s.nbytes for s in slices)
         mx.eval(list(pool.values()))
         self.misses += len(experts)
-        self.layer_misses[layer] += len(experts)
         if self.verifier is not None:
             for expert, slot in placed:
                 self.verifier.check(layer, expert, pool, slot)
