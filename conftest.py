@@ -15,3 +15,13 @@ PYTEST_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
 def pytest_configure(config):
     if config.getoption("benchmark_storage", None) == PYTEST_BENCHMARK_DEFAULT_STORAGE:
         config.option.benchmark_storage = f"file://{BASELINES}"
+
+
+@pytest.fixture(scope="session")
+def tiny_synth(tmp_path_factory):
+    """The tiny synthetic checkpoint (seed 0) in both layouts, made once per session: for the tests of the
+    synthetic writer and of extract-mtp (the suite's model is the embedded trained one)."""
+    from mlx_streaming.checkpoint.synth import synth_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {layout: synth_checkpoint(root / layout, preset="tiny", seed=0, layout=layout) for layout in ("mlx", "hf")}

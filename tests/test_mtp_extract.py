@@ -6,21 +6,21 @@ import sys
 import mlx.core as mx
 
 
-def test_extracted_head_equals_the_mlx_layout_head(tmp_path, mtp_path):
+def test_extracted_head_equals_the_mlx_layout_head(tmp_path, tiny_synth):
     hf = tmp_path / "hf"
     out = tmp_path / "mtp.safetensors"
     for args in (["synth", "--preset", "tiny", "--seed", "0", "--layout", "hf", "--out", str(hf)],
                  ["extract-mtp", "--hf", str(hf), "--out", str(out)]):
         done = subprocess.run([sys.executable, "-m", "mlx_streaming", *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-    extracted, written = mx.load(str(out)), mx.load(str(mtp_path))
+    extracted, written = mx.load(str(out)), mx.load(str(tiny_synth["mlx"] / "mtp.safetensors"))
     assert sorted(extracted) == sorted(written)
     for name in written:
         assert extracted[name].dtype == written[name].dtype, name
         assert mx.array_equal(extracted[name], written[name]).item(), name
 
 
-def test_load_mtp_reads_bf16_and_quantized_files_alike(tmp_path, model_dir, mtp_path):
+def test_load_mtp_reads_bf16_and_quantized_files_alike(tmp_path, tiny_synth):
     """A bf16 MLX-layout head quantized on load equals the head written quantized; quantize=False keeps bf16.
     The zero-centred norms were turned into 1 + w exactly once."""
     import json
@@ -29,11 +29,10 @@ def test_load_mtp_reads_bf16_and_quantized_files_alike(tmp_path, model_dir, mtp_
     from mlx_lm.models.qwen3_next import ModelArgs
 
     from mlx_streaming.checkpoint.mtp_extract import convert_mtp
-    from mlx_streaming.checkpoint.synth import synth_checkpoint
     from mlx_streaming.mtp.load import load_mtp
 
-    config = json.loads((model_dir / "config.json").read_text())
-    hf = synth_checkpoint(tmp_path / "hf", preset="tiny", seed=0, layout="hf")
+    config = json.loads((tiny_synth["mlx"] / "config.json").read_text())
+    hf, mtp_path = tiny_synth["hf"], tiny_synth["mlx"] / "mtp.safetensors"
     hf_mtp = {}
     for shard in hf.glob("model-*.safetensors"):
         hf_mtp.update({k: v for k, v in mx.load(str(shard)).items() if k.startswith("mtp.")})

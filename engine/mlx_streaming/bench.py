@@ -50,10 +50,10 @@ def _spread(rates: List[float]) -> dict:
 def _store_counters(store) -> dict:
     s = store.stats()
     looked_up = s["hits"] + s["misses"]
-    return {"disk_loads": s["misses"], "hits": s["hits"], "hit_rate": s["hits"] / looked_up if looked_up else 0.0,
+    return {"disk_loads": s["demand_loads"] + s.get("prefetch_loads", 0), "hits": s["hits"], "hit_rate": s["hits"] / looked_up if looked_up else 0.0,
             "bytes_read": s["bytes_read"], "evictions": s["evictions"], "fastpath": s["fastpath"],
             "fallback": s["fallback"], "grouped": s["grouped"],
-            **{k: v for k, v in s.items() if k.startswith("verify_")}}
+            **{k: v for k, v in s.items() if k.startswith(("verify_", "prefetch_")) or k == "demand_loads"}}
 
 
 def _timed_runs(label: str, once: Callable[[], tuple], store, repeat: int) -> tuple:
@@ -272,3 +272,75 @@ def io_report(model_dir: Path, config: StreamingConfig) -> dict:
                 "raw_read": raw, "demand_read_gbps": demand, "demand_over_raw": demand / raw["gbps"],
                 "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
                 "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}
+
+
+#: The rows of ``prefetch_report``: (label, pool at its minimum, prefetch, ahead, mult).
+PREFETCH_ROWS = (("naive (pool = top_k)", True, False, 0, 1), ("LRU", False, False, 0, 1),
+                 ("LRU + prefetch ahead 0", False, True, 0, 1), ("LRU + prefetch ahead 1", False, True, 1, 1),
+                 ("LRU + prefetch ahead 0 mult 2", False, True, 0, 2),
+                 ("LRU + prefetch ahead 1 mult 2", False, True, 1, 2))
+
+
+def _prefetch_row(model_dir: Path, config: StreamingConfig, label: str) -> dict:
+    from .model import build_streaming_model
+
+    _say(f"{label}: building")
+    with build_streaming_model(model_dir, config) as sm:
+        prompt_ids = sm.tokenizer.encode(config.prompt)
+        if config.warmup_tokens:
+            timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
+        rates, (ids,), counters = _timed_runs(label, lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
+        s = sm.store.stats()
+        row = {"label": label, "layout": "packed" if config.packed_dir else "scattered", "pool_slots": sm.store.capacity,
+               "prefetch": config.prefetch, "ahead": config.prefetch_ahead, "mult": config.prefetch_mult,
+               "tok_s": _spread(rates), "io": counters,
+               "demand_read_gbps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0, "ids": ids}
+        if sm.store.predictor is not None:
+            row["diagnostics"] = sm.store.predictor.diagnostics.stats()
+    return row
+
+
+def prefetch_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """Greedy decoding side by side: the pool at its minimum, the configured LRU pool, and LRU with prefetch
+    (ahead 0 and 1, mult 1 and 2, with diagnostics), plus the raw disk rate at the expert read size. With
+    ``packed_dir`` the LRU and prefetch rows run again on the packed layout."""
+    from .model import build_streaming_model
+
+    with build_streaming_model(model_dir, config.replace(packed_dir=None)) as sm:
+        _say(f"raw read probe ({config.io_mode})")
+        raw = raw_read_probe(sm.store.index, config.io_mode)
+        top_k = sm.store.top_k
+    layouts = [None] + ([config.packed_dir] if config.packed_dir else [])
+    rows = []
+    for layout in layouts:
+        for label, minimum, prefetch, ahead, mult in PREFETCH_ROWS:
+            if layout and (minimum or mult > 1):
+                continue
+            row_config = config.replace(packed_dir=layout, prefetch=prefetch, prefetch_ahead=ahead, prefetch_mult=mult,
+                                        diagnostics=prefetch, pool_slots=top_k if minimum else config.pool_slots)
+            rows.append(_prefetch_row(model_dir, row_config, label))
+    reference = rows[1]["tok_s"]["median"]
+    ids = [row.pop("ids") for row in rows]
+    for row in rows:
+        row["over_lru"] = row["tok_s"]["median"] / reference
+    return {"model": str(model_dir), "io_mode": config.io_mode, "max_tokens": config.max_tokens,
+            "repeat": config.repeat, "raw_read": raw, "ids_identical": all(i == ids[0] for i in ids), "rows": rows}
+
+
+def prefetch_table(report: dict) -> str:
+    from tabulate import tabulate
+
+    headers = ["path", "layout", "pool", "tok/s", "x LRU", "demand loads", "prefetch hits", "demand GB/s",
+               "recall (decode)", "A: not finished", "A: evicted", "B: not predicted"]
+    body = []
+    for r in report["rows"]:
+        d = (r.get("diagnostics") or {}).get("decode")
+        body.append([r["label"], r["layout"], r["pool_slots"], r["tok_s"]["median"], r["over_lru"],
+                     r["io"]["demand_loads"], r["io"].get("prefetch_hits", 0), r["demand_read_gbps"],
+                     d["recall"] if d else "", d["a_not_finished"] if d else "", d["a_evicted"] if d else "",
+                     d["b_not_predicted"] if d else ""])
+    raw = report["raw_read"]
+    return (tabulate(body, headers=headers, floatfmt=".3f") +
+            f"\nio_mode={report['io_mode']}  raw read {raw['gbps']:.3f} GB/s at {raw['bytes'] // raw['experts']} B "
+            f"per expert ({raw['experts']} experts)  max_tokens={report['max_tokens']} repeat={report['repeat']}  "
+            f"ids identical across rows: {report['ids_identical']}")

@@ -22,6 +22,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-mode", choices=("buffered", "direct"), help="read experts through the page cache or not")
     p.add_argument("--packed", dest="packed_dir", help="read experts from this packed layout (mlx-streaming repack)")
     p.add_argument("--verify", action="store_true", default=None, help="byte-truth: check every expert placed into the pool against disk (STG_VERIFY=1)")
+    p.add_argument("--prefetch", action="store_true", default=None, help="read predicted experts in the background")
+    p.add_argument("--ahead", dest="prefetch_ahead", type=int, choices=(0, 1), help="predict this layer's (0) or the next layer's (1) experts")
+    p.add_argument("--mult", dest="prefetch_mult", type=int, help="predict top_k x MULT experts per token")
+    p.add_argument("--staging-bytes", type=parse_size, help="host bytes the prefetcher may hold, e.g. 64M")
+    p.add_argument("--diagnostics", action="store_true", default=None, help="measure prediction recall, miss attribution, main-thread timings")
 
 
 def _config(args) -> StreamingConfig:
@@ -31,9 +36,9 @@ def _config(args) -> StreamingConfig:
 
 
 def _model_dir(args) -> Path:
-    from .defaults import synthetic_model
+    from .defaults import default_model
 
-    return args.model or synthetic_model()
+    return args.model or default_model()
 
 
 def cmd_synth(args) -> None:
@@ -62,6 +67,16 @@ def cmd_generate(args) -> None:
         print(json.dumps(sm.store.stats()), file=sys.stderr)
 
 
+def cmd_evaluate(args) -> None:
+    from .evaluate import evaluate
+
+    result = evaluate(_model_dir(args), _config(args), loss_sequences=args.loss_sequences, prompts=args.prompts,
+                      new_tokens=args.new_tokens)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
 def cmd_bench(args) -> None:
     from . import bench
 
@@ -74,6 +89,9 @@ def cmd_bench(args) -> None:
     elif args.sweep:
         result = bench.sweep(_model_dir(args), _config(args))
         print(bench.sweep_table(result))
+    elif args.prefetch_report:
+        result = bench.prefetch_report(_model_dir(args), _config(args))
+        print(bench.prefetch_table(result))
     else:
         result = bench.run(_model_dir(args), _config(args), compare_inmemory=args.compare_inmemory)
         print(bench.table(result))
@@ -124,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(p)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("evaluate", help="a trained model against its training report: held-out loss, MTP acceptance")
+    _add_engine_options(p)
+    p.add_argument("--loss-sequences", type=int, default=8, help="held-out sequences for the loss (about 25 s each here)")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance measurement")
+    p.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt")
+    p.add_argument("--json", help="write the result here")
+    p.set_defaults(func=cmd_evaluate)
+
     p = sub.add_parser("bench", help="decode tok/s and expert traffic: in-memory vs streaming")
     _add_engine_options(p)
     p.add_argument("--k", type=int, help="tokens per verify: 1 + K-1 MTP drafts (default 3)")
@@ -136,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
     p.add_argument("--sweep", action="store_true", help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
     p.add_argument("--io", action="store_true", help="disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)")
+    p.add_argument("--prefetch-report", action="store_true", help="greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with diagnostics")
     p.add_argument("--processes", type=int, help="noise floor: run this benchmark in N fresh processes, report the spread")
     p.add_argument("--json", help="write the full result here")
     p.set_defaults(func=cmd_bench)

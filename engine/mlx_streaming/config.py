@@ -58,6 +58,19 @@ class StreamingConfig:
     #: Pin the ``pin_hot`` hottest experts of every layer, found by a calibration run of ``pin_cal_tokens``.
     pin_hot: int = 0
     pin_cal_tokens: int = 32
+    #: Background prefetch of predicted experts: predict from each layer's input the experts of this
+    #: layer (``prefetch_ahead`` 0) or the next (1), each token's top ``top_k * prefetch_mult``.
+    prefetch: bool = False
+    prefetch_ahead: int = 1
+    prefetch_mult: int = 1
+    prefetch_threads: int = 2
+    #: Host bytes the prefetcher may hold in queued and staged reads.
+    staging_bytes: int = 64 << 20
+    #: At most this many experts submitted per layer / per forward (0: no limit).
+    prefetch_layer_budget: int = 0
+    prefetch_forward_budget: int = 0
+    #: Measure prediction recall, miss attribution and main-thread timings (costs time; off by default).
+    diagnostics: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,7 +92,13 @@ class StreamingConfig:
         for name in ("prefill_chunk", "max_tokens", "pin_cal_tokens", "repeat"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("pin_hot", "memory_allowance", "warmup_tokens"):
+        if self.prefetch_ahead not in (0, 1):
+            raise ConfigError(f"prefetch_ahead must be 0 or 1, got {self.prefetch_ahead}")
+        for name in ("prefetch_mult", "prefetch_threads", "staging_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("pin_hot", "memory_allowance", "warmup_tokens", "prefetch_layer_budget",
+                     "prefetch_forward_budget"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
 
@@ -131,4 +150,8 @@ ENV_NAMES = {
     "REPEAT": ("repeat", int),
     "DUMP_IDS": ("dump_ids", str),
     "STG_VERIFY": ("verify", _flag),
+    "PREFETCH": ("prefetch", _flag),
+    "PREFETCH_AHEAD": ("prefetch_ahead", int),
+    "PREFETCH_MULT": ("prefetch_mult", int),
+    "STAGING_BYTES": ("staging_bytes", parse_size),
 }

@@ -1,39 +1,21 @@
-"""The default model: a synthetic checkpoint made once into a cache folder and reused.
+"""The default model: the small Qwen3-Next trained by ``training/train_small.py``, embedded in the package.
 
-Made into a temporary sibling folder and renamed into place, so concurrent processes (pytest-xdist
-workers) never see a half-written checkpoint.
+It is in the public MLX 4-bit layout (converted by mlx-lm's converter, MTP head by ``extract-mtp``) and
+carries its held-out tokens and training report, so every figure can be checked against the training run.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from . import __version__
 from .errors import CheckpointError
 
-DEFAULT_PRESET = "tiny"
-DEFAULT_SEED = 0
+DEFAULT_MODEL_NAME = "qwen3-next-code-28m"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("MLX_STREAMING_CACHE", Path.home() / ".cache" / "mlx-streaming"))
-
-
-def synthetic_model(preset: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED, layout: str = "mlx") -> Path:
-    """Path of the cached synthetic checkpoint, made first if absent."""
-    from .checkpoint.synth import synth_checkpoint
-
-    target = cache_root() / f"{preset}-seed{seed}-{layout}-v{__version__}"
-    if (target / "config.json").exists():
-        return target
-    scratch = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    synth_checkpoint(scratch, preset=preset, seed=seed, layout=layout)
-    try:
-        scratch.rename(target)
-    except OSError:  # another process finished first, or a stale folder is in the way
-        shutil.rmtree(scratch, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise CheckpointError(f"{target}: an incomplete cached checkpoint is in the way; delete it") from None
-    return target
+def default_model() -> Path:
+    """The embedded trained model: what every command and test uses when no model is named."""
+    path = Path(__file__).parent / "models" / DEFAULT_MODEL_NAME
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: the embedded default model is missing from this installation")
+    return path

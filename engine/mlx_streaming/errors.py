@@ -30,3 +30,6 @@ class PoolTooSmallError(ConfigError):
 
 class ExpertIOError(StreamingError, OSError):
     """Reading expert bytes from disk failed."""
+
+    #: Which of the ranges handed to ``ExpertReader.read`` failed.
+    range_index = 0

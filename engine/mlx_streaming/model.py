@@ -26,6 +26,8 @@ from .checkpoint.safetensors import read_checkpoint_headers, read_header
 from .config import StreamingConfig
 from .errors import CheckpointError, ConfigMismatchError, MissingTensorError, PoolTooSmallError
 from .io.reader import ExpertReader
+from .moe.predict import ExpertPredictor, install_predictor
+from .moe.prefetch import Prefetcher
 from .moe.streaming_switch import StreamingSwitchGLU
 from .mtp.load import load_mtp
 
@@ -48,6 +50,8 @@ class StreamingModel:
         self.store.reset_stats()
 
     def close(self) -> None:
+        if self.store.prefetcher is not None:
+            self.store.prefetcher.close()
         self.store.reader.close()
 
     def __enter__(self) -> "StreamingModel":
@@ -147,10 +151,24 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     for i, block in ckpt.blocks.items():
         block.switch_mlp = StreamingSwitchGLU(block.switch_mlp, i, store)
     mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
+    if config.prefetch:
+        attach_prefetch(ckpt.model, store, config)
     sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, ckpt.dense_bytes, ckpt.head)
     if config.pin_hot:
         pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
     return sm
+
+
+def attach_prefetch(model, store: ExpertStore, config: StreamingConfig) -> None:
+    """Start the prefetcher and wrap the main model's decoder layers with the expert predictor."""
+    layers = [layer for layer in store.index.layers if layer < len(model.layers)]
+    store.prefetcher = Prefetcher(store.index, store.reader, config.staging_bytes, config.prefetch_threads)
+    store.predictor = ExpertPredictor(
+        store, store.prefetcher, {i: model.layers[i].mlp for i in layers},
+        {i: model.layers[i].post_attention_layernorm for i in layers}, ahead=config.prefetch_ahead,
+        mult=config.prefetch_mult, layer_budget=config.prefetch_layer_budget,
+        forward_budget=config.prefetch_forward_budget, diagnostics=config.diagnostics)
+    install_predictor(model, store.predictor)
 
 
 def pin_hot_experts(sm: StreamingModel, n: int, calibration_tokens: int) -> None:

@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping, Optional
 
 COUNTERS = ("disk_loads", "hits", "accepted_drafts", "steps")
 #: Ratios where higher is better, and where lower is better.
-RATIOS_UP = ("speedup", "streaming_over_inmemory")
+RATIOS_UP = ("speedup", "streaming_over_inmemory", "prefetch_over_lru")
 RATIOS_DOWN = ("disk_load_ratio",)
 TOKS = ("tok_s",)
 

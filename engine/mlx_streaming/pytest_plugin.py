@@ -1,7 +1,7 @@
 """The mlx-streaming pytest plugin: options, markers and session fixtures.
 
 Fixtures build each model once per session (once per worker under pytest-xdist). Without ``--model`` the
-suite runs on the default tiny synthetic checkpoint, made once into the cache folder.
+suite runs on the embedded default model (the small trained Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TEST_PROMPTS = (
 
 def pytest_addoption(parser):
     group = parser.getgroup("mlx-streaming")
-    group.addoption("--model", default=None, help="model folder (default: the tiny synthetic checkpoint)")
+    group.addoption("--model", default=None, help="model folder (default: the embedded trained model)")
     group.addoption("--mtp", default=None, help="MTP weights file (default: the model folder's mtp.safetensors)")
     group.addoption("--pool-slots", type=int, default=None, help="expert slots per layer for the streaming model (default: every expert)")
     group.addoption("--io-mode", default="buffered", choices=("buffered", "direct"), help="how the streaming model reads experts")
@@ -96,10 +96,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def model_dir(request) -> Path:
-    from .defaults import synthetic_model
+    from .defaults import default_model
 
     chosen = request.config.getoption("--model")
-    return Path(chosen) if chosen else synthetic_model()
+    return Path(chosen) if chosen else default_model()
 
 
 @pytest.fixture(scope="session")

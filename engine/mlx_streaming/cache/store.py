@@ -32,7 +32,10 @@ class ExpertStore:
     #: fastpath / fallback: layer calls whose routed experts were all resident / were not;
     #: grouped: layer calls that needed more experts than fit and ran in groups.
     #: read_s: seconds spent in demand reads (bytes_read / read_s is the engine's demand-load rate).
-    COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_s", "fastpath", "fallback", "grouped")
+    #: misses: experts not resident at acquire; prefetched: of those, placed from the prefetcher's staging
+    #: (the rest were demand-loaded on the main thread); place_s: seconds placing bytes into the pool.
+    COUNTERS = ("hits", "misses", "prefetched", "evictions", "bytes_read", "read_s", "place_s", "fastpath",
+                "fallback", "grouped")
 
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False):
         if capacity < top_k:
@@ -56,6 +59,9 @@ class ExpertStore:
         self.union_log = None
         #: A ByteVerifier when byte-truth verification is on: every expert placed is checked against disk.
         self.verifier = None
+        #: The background prefetcher and the expert predictor, when prefetching is on.
+        self.prefetcher = None
+        self.predictor = None
         self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
         self.reset_stats()
 
@@ -67,13 +73,18 @@ class ExpertStore:
         for name in self.COUNTERS:
             setattr(self, name, 0)
         self.reader.reads = 0
-        if self.verifier is not None:
-            self.verifier.reset_stats()
+        for part in (self.verifier, self.prefetcher, self.predictor and self.predictor.diagnostics):
+            if part is not None:
+                part.reset_stats()
 
     def stats(self) -> dict:
         counters = {name: getattr(self, name) for name in self.COUNTERS}
+        counters["demand_loads"] = self.misses - self.prefetched
         if self.verifier is not None:
             counters.update(self.verifier.stats())
+        if self.prefetcher is not None:
+            counters.update({k if k.startswith("prefetch_") else f"prefetch_{k}": v
+                             for k, v in self.prefetcher.stats().items()})
         return counters
 
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
@@ -88,6 +99,8 @@ class ExpertStore:
             )
         if self.record:
             self._routed[layer][list(experts)] += 1
+        if self.predictor is not None:
+            self.predictor.account(layer, experts, {e for e in experts if e not in missing})
         self.hits += len(experts) - len(missing)
         for e in experts:
             policy.touch(e)
@@ -96,31 +109,50 @@ class ExpertStore:
         return [policy.slot(e) for e in experts]
 
     def _load(self, layer: int, experts: List[int], protected: set) -> None:
-        """Read every expert's bytes first (a failed read leaves the pool as it was), then place them."""
-        loaded = []
-        for expert in experts:
-            slices = self.index.slices(layer, expert)
+        """Take prefetched bytes from staging and read the rest in one batch, all before any slot changes
+        hands (a failed read leaves the pool as it was); then place them."""
+        staged = {}
+        if self.prefetcher is not None:
+            for expert in experts:
+                buffers = self.prefetcher.take(layer, expert)
+                if buffers is not None:
+                    staged[expert] = buffers
+        demand = [e for e in experts if e not in staged]
+        slices = {e: self.index.slices(layer, e) for e in experts}
+        if demand:
             start = time.perf_counter()
+            ranges = [(s.path, s.offset, s.nbytes) for e in demand for s in slices[e]]
+            per_expert = len(slices[demand[0]])
             try:
-                buffers = self.reader.read([(s.path, s.offset, s.nbytes) for s in slices])
+                buffers = self.reader.read(ranges)
             except ExpertIOError as exc:
-                raise ExpertIOError(f"layer {layer} expert {expert}: {exc}") from None
+                failed = demand[exc.range_index // per_expert]
+                raise ExpertIOError(f"layer {layer} expert {failed}: {exc}") from None
             self.read_s += time.perf_counter() - start
-            loaded.append((expert, slices, buffers))
+            for i, e in enumerate(demand):
+                staged[e] = buffers[i * per_expert:(i + 1) * per_expert]
+            self.bytes_read += sum(s.nbytes for e in demand for s in slices[e])
+        start = time.perf_counter()
         pool, policy = self.pools[layer], self.policies[layer]
         placed = []
-        for expert, slices, buffers in loaded:
+        for expert in experts:
             slot, evicted = policy.place(expert, protected)
             self.evictions += evicted is not None
-            for s, buf in zip(slices, buffers):
+            for s, buf in zip(slices[expert], staged[expert]):
                 pool[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
             placed.append((expert, slot))
-            self.bytes_read += sum(s.nbytes for s in slices)
         mx.eval(list(pool.values()))
+        self.place_s += time.perf_counter() - start
         self.misses += len(experts)
+        self.prefetched += len(experts) - len(demand)
         if self.verifier is not None:
             for expert, slot in placed:
                 self.verifier.check(layer, expert, pool, slot)
+
+    def layer_done(self, layer: int) -> None:
+        """``layer``'s MoE block has its experts: what is still staged for it is stale."""
+        if self.prefetcher is not None:
+            self.prefetcher.drop_layer(layer)
 
     def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
         """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""

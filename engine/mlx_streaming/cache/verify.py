@@ -1,6 +1,6 @@
 """Byte-truth verification: the bytes that land in the pool are the bytes on disk.
 
-Checksums (CRC32) of every expert tensor are computed once, when the verifier is built, by a path that
+Checksums (CRC32C, native or its Python twin) of every expert tensor are computed once, when the verifier is built, by a path that
 shares nothing with the reader (buffered Python file objects, one read per tensor); every expert placed
 into the pool is then read back out of the MLX pool arrays and checked. So a fault anywhere on the way (the
 read, the dtype view, the slot write) or a shard changed on disk after indexing is caught. ``calls`` counts
@@ -9,7 +9,6 @@ checks, so a report of ``bad == 0`` can show that checks ran.
 
 from __future__ import annotations
 
-import zlib
 from typing import Dict, Tuple
 
 import mlx.core as mx
@@ -17,6 +16,7 @@ import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
 from ..errors import StreamingError
+from ..io.native import crc32c
 
 
 class ExpertVerifyError(StreamingError):
@@ -24,7 +24,7 @@ class ExpertVerifyError(StreamingError):
 
 
 def _crc(data) -> int:
-    return zlib.crc32(memoryview(data).cast("B"))
+    return crc32c(memoryview(data).cast("B"))
 
 
 class ByteVerifier:

@@ -18,7 +18,7 @@ def resident_dense_bytes(module, store) -> int:
 def memory_snapshot(sm) -> dict:
     """GB figures. The breakdown: dense weights of the main model, the expert pool, the MTP head's dense
     weights, the rest of MLX's active memory (KV caches, activations and temporaries), and the reader's
-    host staging buffers (outside MLX)."""
+    prefetcher's peak host staging (outside MLX)."""
     active = mx.get_active_memory()
     parts = {
         "dense_weights": resident_dense_bytes(sm.model, sm.store),
@@ -26,7 +26,7 @@ def memory_snapshot(sm) -> dict:
         "mtp_head": resident_dense_bytes(sm.mtp, sm.store) if sm.mtp else 0,
     }
     parts["activations_and_temporaries"] = max(0, active - sum(parts.values()))
-    parts["staging"] = sm.store.reader.staging_bytes
+    parts["prefetch_staging_peak"] = sm.store.prefetcher.staging_peak if sm.store.prefetcher else 0
     return {
         "mlx_active_gb": active / GB,
         "mlx_peak_gb": mx.get_peak_memory() / GB,

@@ -46,6 +46,7 @@ class StreamingSwitchGLU(nn.Module):
         groups = store.groups(layer, experts)
         if len(groups) == 1:
             self._slot_of[experts] = store.acquire(layer, experts)
+            store.layer_done(layer)
             return self.pool_mlp(x, mx.array(self._slot_of[routed]))
         store.grouped += 1
         y = None
@@ -57,4 +58,5 @@ class StreamingSwitchGLU(nn.Module):
             in_group = mx.array(np.isin(routed, group))[..., None]
             y = y_group if y is None else mx.where(in_group, y_group, y)
             mx.eval(y)
+        store.layer_done(layer)
         return y

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..config import VERIFY_MODES
 from ..generate import forward_with_hidden
+from ..moe.predict import unwrap
 
 PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", "finalize")
 
@@ -50,7 +51,7 @@ class StateCapture(nn.Module):
 def state_captures(model) -> List[StateCapture]:
     """Wrap every Gated-DeltaNet layer of ``model`` once (composition on this instance) and return the wrappers."""
     captures = []
-    for layer in model.layers:
+    for layer in map(unwrap, model.layers):
         if layer.is_linear:
             if not isinstance(layer.linear_attn, StateCapture):
                 layer.linear_attn = StateCapture(layer.linear_attn)

@@ -1,0 +1,128 @@
+"""The native extension's entry points, or their pure-Python twins.
+
+``mlx_streaming._native`` (sources in ``native/``) runs a batch of reads on its own pthread pool with the
+GIL released, opens files past the page cache and computes CRC32C. Each function here has a twin written
+in Python with the same contract; ``MLX_STREAMING_NATIVE=0`` selects the twins, and so does a failed build
+(said once, as a warning, at import). Tests run both and compare bytes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import sys
+import warnings
+from typing import Optional, Sequence, Tuple
+
+ALIGN = 4096
+#: fcntl's F_NOCACHE on macOS (not every Python's fcntl module names it).
+F_NOCACHE = 48
+#: ``(fd, offset, length, writable buffer, aligned)``: ``aligned`` reads the 4096-aligned superset of the
+#: range through a bounce buffer (O_DIRECT needs aligned offsets, lengths and memory).
+ReadRequest = Tuple[int, int, int, object, bool]
+#: ``None``, or the first failing request's ``(index, errno, bytes delivered)``; errno 0 is a short read.
+ReadFailure = Optional[Tuple[int, int, int]]
+
+
+def _load_extension():
+    if os.environ.get("MLX_STREAMING_NATIVE", "1") == "0":
+        return None
+    try:
+        from .. import _native
+    except ImportError as exc:
+        warnings.warn(f"mlx_streaming._native is not available ({exc}); expert reads and checksums use the "
+                      "pure-Python twins", RuntimeWarning, stacklevel=2)
+        return None
+    atexit.register(_native.shutdown)
+    return _native
+
+
+_native = _load_extension()
+NATIVE = _native is not None
+
+
+# ---------------------------------------------------------------- twins
+
+def _crc32c_table():
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def py_crc32c(data, crc: int = 0) -> int:
+    crc ^= 0xFFFFFFFF
+    table = _CRC_TABLE
+    for byte in memoryview(data).cast("B").tobytes():
+        crc = (crc >> 8) ^ table[(crc ^ byte) & 0xFF]
+    return crc ^ 0xFFFFFFFF
+
+
+def py_open_uncached(path: str) -> int:
+    if sys.platform.startswith("linux"):
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(path, os.O_RDONLY)
+    if sys.platform == "darwin":
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", F_NOCACHE), 1)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+    os.close(fd)
+    raise OSError(errno.ENOTSUP, "no cache-bypass read on this platform", path)
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def py_read_batch(requests: Sequence[ReadRequest], threads: int = 1) -> ReadFailure:
+    """One request after another on the calling thread (``os.preadv`` releases the GIL while it reads)."""
+    import mmap
+
+    bounce = None
+    try:
+        for i, (fd, offset, length, buffer, aligned) in enumerate(requests):
+            dest = memoryview(buffer).cast("B")
+            try:
+                if not aligned:
+                    got = _pread_full(fd, dest[:length], offset)
+                else:
+                    start = offset - offset % ALIGN
+                    span = -(-(offset + length - start) // ALIGN) * ALIGN
+                    if bounce is None or len(bounce) < span:
+                        bounce = mmap.mmap(-1, span)
+                    raw = _pread_full(fd, memoryview(bounce)[:span], start)
+                    got = min(length, max(0, raw - (offset - start)))
+                    dest[:got] = bounce[offset - start:offset - start + got]
+            except OSError as exc:
+                return i, exc.errno or errno.EIO, 0
+            if got != length:
+                return i, 0, got
+        return None
+    finally:
+        if bounce is not None:
+            bounce.close()
+
+
+# ---------------------------------------------------------------- the chosen implementation
+
+crc32c = _native.crc32c if NATIVE else py_crc32c
+open_uncached = _native.open_uncached if NATIVE else py_open_uncached
+read_batch = _native.read_batch if NATIVE else py_read_batch

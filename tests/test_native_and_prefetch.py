@@ -1,0 +1,207 @@
+"""The native extension against its pure-Python twins, the background prefetcher and the expert predictor."""
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from mlx_streaming.config import StreamingConfig
+from mlx_streaming.errors import ConfigError, ExpertIOError
+from mlx_streaming.generate import greedy_generate
+from mlx_streaming.io import native
+from mlx_streaming.io.reader import ExpertReader
+from mlx_streaming.model import build_streaming_model
+from mlx_streaming.moe.prefetch import Prefetcher
+
+TWIN_FORCED = os.environ.get("MLX_STREAMING_NATIVE") == "0"
+
+
+def test_the_extension_was_built():
+    """The install compiles it; only MLX_STREAMING_NATIVE=0 may leave the twins in charge."""
+    assert native.NATIVE or TWIN_FORCED
+
+
+def _ranges(model_dir):
+    """Unaligned byte ranges of real expert tensors, a few per shard."""
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=4)) as sm:
+        index = sm.store.index
+        return [(str(s.path), s.offset, s.nbytes) for layer in index.layers[:3] for e in (0, 7)
+                for s in index.slices(layer, e)]
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_native_and_twin_read_the_disks_bytes(model_dir, aligned):
+    ranges = _ranges(model_dir)
+    assert any(offset % native.ALIGN for _, offset, _ in ranges)  # the aligned path has work to do
+    fds = {path: (native.open_uncached(path) if aligned else os.open(path, os.O_RDONLY)) for path, _, _ in ranges}
+    try:
+        results = []
+        for read_batch in (native._native.read_batch, native.py_read_batch) if native.NATIVE else (native.py_read_batch,):
+            buffers = [np.empty(n, dtype=np.uint8) for _, _, n in ranges]
+            assert read_batch([(fds[p], o, n, b, aligned) for (p, o, n), b in zip(ranges, buffers)], 4) is None
+            results.append(buffers)
+        for (path, offset, n), *copies in zip(ranges, *results):
+            with open(path, "rb") as f:
+                f.seek(offset)
+                truth = f.read(n)
+            assert all(c.tobytes() == truth for c in copies)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+@pytest.mark.parametrize("impl", ["native", "twin"])
+def test_reads_past_the_end_and_bad_descriptors_are_reported(tmp_path, impl):
+    if impl == "native" and not native.NATIVE:
+        assert TWIN_FORCED
+        return
+    read_batch = native._native.read_batch if impl == "native" else native.py_read_batch
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ok, short = np.empty(100, np.uint8), np.empty(1000, np.uint8)
+        assert read_batch([(fd, 0, 100, ok, False), (fd, 9740, 1000, short, False)], 2) == (1, 0, 500)
+        assert ok.tobytes() == (bytes(range(256)) * 40)[:100]
+    finally:
+        os.close(fd)
+    index, err, _ = read_batch([(fd, 0, 10, np.empty(10, np.uint8), False)], 1)
+    assert (index, err) == (0, errno.EBADF)
+
+
+def test_crc32c_native_and_twin_agree():
+    assert native.py_crc32c(b"123456789") == 0xE3069283  # the CRC32C check value
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+    twin = native.py_crc32c(data)
+    assert native.py_crc32c(data[50_000:], native.py_crc32c(data[:50_000])) == twin
+    if native.NATIVE:
+        assert native._native.crc32c(b"123456789") == 0xE3069283
+        assert native._native.crc32c(data) == twin
+        assert native._native.crc32c(data[3:], native._native.crc32c(data[:3])) == twin
+    assert twin != zlib.crc32(data)  # Castagnoli, not the zlib polynomial
+
+
+def test_env_forces_the_twins():
+    code = "from mlx_streaming.io import native; print(native.NATIVE, native.read_batch is native.py_read_batch)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_STREAMING_NATIVE": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
+
+
+def test_the_reader_gives_identical_bytes_with_native_and_twin(model_dir, monkeypatch):
+    ranges = _ranges(model_dir)
+    reader = ExpertReader("direct")
+    first = [a.tobytes() for a in reader.read(ranges)]
+    monkeypatch.setattr(native, "read_batch", native.py_read_batch)
+    assert [a.tobytes() for a in reader.read(ranges)] == first
+    reader.close()
+
+
+# ---------------------------------------------------------------- prefetcher
+
+
+@pytest.fixture
+def index_and_reader(model_dir):
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=4)) as sm:
+        reader = ExpertReader("buffered")
+        yield sm.store.index, reader
+        reader.close()
+
+
+def test_prefetcher_merges_bounds_staging_serves_and_drops_stale(index_and_reader):
+    index, reader = index_and_reader
+    pf = Prefetcher(index, reader, staging_limit=2 * index.expert_bytes, threads=2)
+    try:
+        assert pf.submit(0, [1, 1, 2, 3]) == 2  # 1 again is merged, 3 would pass the staging limit
+        assert (pf.merged, pf.over_budget, pf.staging_bytes) == (1, 1, 2 * index.expert_bytes)
+        deadline = time.monotonic() + 30
+        while pf.state(0, 1) != "ready" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        buffers = pf.take(0, 1)
+        truth = reader.read([(s.path, s.offset, s.nbytes) for s in index.slices(0, 1)])
+        assert [b.tobytes() for b in buffers] == [t.tobytes() for t in truth]
+        assert pf.prefetch_hits == 1 and pf.take(0, 1) is None  # taken once
+        pf.drop_layer(0)  # expert 2 is stale once layer 0 has its experts
+        assert pf.dropped == 1 and pf.take(0, 2) is None
+        while pf.staging_bytes and time.monotonic() < deadline:  # an in-flight read is discarded
+            time.sleep(0.001)                                               # when it ends
+        assert pf.staging_bytes == 0 and pf.staging_peak == 2 * index.expert_bytes
+    finally:
+        pf.close()
+    assert pf.alive_threads == 0 and pf.submit(0, [4]) == 0
+
+
+@pytest.mark.parametrize("ahead,mult", [(0, 1), (1, 2)])
+def test_prefetching_decodes_the_same_ids_and_every_prefetched_expert_is_verified(model_dir, reference_model, prompt_ids, ahead, mult):
+    config = StreamingConfig(pool_slots=8, prefetch=True, prefetch_ahead=ahead, prefetch_mult=mult, diagnostics=True,
+                             verify=True)
+    with build_streaming_model(model_dir, config) as sm:
+        ids = greedy_generate(sm.model, prompt_ids[2], 24)
+        stats = sm.store.stats()
+        diag = sm.store.predictor.diagnostics.stats()
+        prefetcher = sm.store.prefetcher
+    assert prefetcher.alive_threads == 0  # close() stopped them
+    assert ids == greedy_generate(reference_model, prompt_ids[2], 24)
+    assert stats["prefetched"] == stats["prefetch_hits"] > 0
+    assert stats["verify_calls"] == stats["misses"] == stats["verify_ok"] > stats["demand_loads"]
+    assert stats["verify_bad"] == 0
+    decode = diag["decode"]
+    assert decode["routed"] == decode["resident"] + decode["prefetch_served"] + decode["a_not_finished"] + \
+        decode["a_evicted"] + decode["b_not_predicted"]
+    assert 0 < decode["recall"] <= 1 and diag["predict_s"] > 0 and decode["avg_window_ms"] > 0
+
+
+def test_budgets_cap_what_is_submitted(model_dir, prompt_ids):
+    config = StreamingConfig(pool_slots=4, prefetch=True, prefetch_ahead=0, prefetch_mult=2, prefetch_forward_budget=3)
+    with build_streaming_model(model_dir, config) as sm:
+        forwards = []
+        original = sm.store.predictor.start_forward
+        sm.store.predictor.start_forward = lambda tokens: (forwards.append(tokens), original(tokens))
+        greedy_generate(sm.model, prompt_ids[0], 8)
+        assert 0 < sm.store.prefetcher.submitted <= 3 * len(forwards)
+    config = config.replace(prefetch_forward_budget=0, prefetch_layer_budget=1)
+    with build_streaming_model(model_dir, config) as sm:
+        greedy_generate(sm.model, prompt_ids[0], 8)
+        layers = len(sm.model.layers)
+        assert 0 < sm.store.prefetcher.submitted <= 9 * layers  # 1 prefill + 8 decode forwards
+
+
+def test_a_failed_prefetch_read_is_dropped_and_the_demand_read_serves(model_dir, reference_model, prompt_ids):
+    class FailingPrefetchReads(ExpertReader):
+        failures = 0
+
+        def read(self, ranges):
+            if threading.current_thread().name.startswith("mlx-streaming-prefetch") and self.failures < 5:
+                self.failures += 1
+                raise ExpertIOError("planted prefetch failure")
+            return super().read(ranges)
+
+    reader = FailingPrefetchReads("buffered")
+    config = StreamingConfig(pool_slots=6, prefetch=True, prefetch_ahead=0, verify=True)
+    with build_streaming_model(model_dir, config, reader=reader) as sm:
+        ids = greedy_generate(sm.model, prompt_ids[1], 16)
+        stats = sm.store.stats()
+    assert reader.failures == 5 and stats["prefetch_read_failures"] == 5
+    assert ids == greedy_generate(reference_model, prompt_ids[1], 16) and stats["verify_bad"] == 0
+
+
+def test_prefetch_threads_end_at_interpreter_exit_without_close(model_dir):
+    code = ("from mlx_streaming.model import build_streaming_model; from mlx_streaming.config import StreamingConfig;"
+            "from mlx_streaming.generate import greedy_generate;"
+            f"sm = build_streaming_model({str(model_dir)!r}, StreamingConfig(pool_slots=4, prefetch=True));"
+            "greedy_generate(sm.model, sm.tokenizer.encode('def f(x):'), 4); print('done')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+
+
+def test_prefetch_settings_are_checked():
+    with pytest.raises(ConfigError, match="prefetch_ahead"):
+        StreamingConfig(prefetch_ahead=2)
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        StreamingConfig(staging_bytes=0)
