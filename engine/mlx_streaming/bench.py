@@ -293,10 +293,13 @@ def _prefetch_row(model_dir: Path, config: StreamingConfig, label: str) -> dict:
         s = sm.store.stats()
         row = {"label": label, "layout": "packed" if config.packed_dir else "scattered", "pool_slots": sm.store.capacity,
                "prefetch": config.prefetch, "ahead": config.prefetch_ahead, "mult": config.prefetch_mult,
-               "tok_s": _spread(rates), "io": counters,
+               "tok_s": _spread(rates), "io": counters, "place_s": s["place_s"], "read_s": s["read_s"],
                "demand_read_gbps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0, "ids": ids}
         if sm.store.predictor is not None:
             row["diagnostics"] = sm.store.predictor.diagnostics.stats()
+    recall = row["diagnostics"]["decode"]["recall"] if "diagnostics" in row else None
+    _say(f"{label} ({row['layout']}): {row['tok_s']['median']:.3f} tok/s, demand loads {counters['demand_loads']}, "
+         f"prefetch hits {counters.get('prefetch_hits', 0)}, decode recall {recall}")
     return row
 
 

@@ -9,8 +9,8 @@ model's ``layers`` list holds wrappers), so no mlx-lm class is changed.
 
 ``PredictDiagnostics`` (off unless asked for) measures what the prediction was worth: recall (predicted
 and routed / routed), why routed experts were not resident at acquire (A: predicted but the read had not
-finished, or evicted since; B: not predicted), main-thread time in predict / submit / place, and the
-window from submit to acquire. Decode forwards (one token) are counted on their own as well.
+finished, or evicted since; B: not predicted), main-thread time in predict and submit (the store counts
+``place_s``), and the window from submit to acquire. Decode forwards (one token) are counted on their own as well.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class PredictDiagnostics:
     def reset_stats(self) -> None:
         self.all = dict.fromkeys(self.FIELDS, 0)
         self.decode = dict.fromkeys(self.FIELDS, 0)
-        self.predict_s = self.submit_s = self.place_s = 0.0
+        self.predict_s = self.submit_s = 0.0
 
     def add(self, decode: bool, **counts) -> None:
         for scope in (self.all, self.decode) if decode else (self.all,):
@@ -49,7 +49,7 @@ class PredictDiagnostics:
 
     def stats(self) -> dict:
         return {"all": self._summary(self.all), "decode": self._summary(self.decode),
-                "predict_s": self.predict_s, "submit_s": self.submit_s, "place_s": self.place_s}
+                "predict_s": self.predict_s, "submit_s": self.submit_s}
 
 
 class ExpertPredictor:
