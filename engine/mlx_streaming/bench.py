@@ -252,6 +252,22 @@ def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0) -> di
             "gbps": experts * index.expert_bytes / seconds / 1e9, "reads_per_expert": reader.reads / experts}
 
 
+def _greedy_runs(sm, config: StreamingConfig, label: str) -> tuple:
+    """Warm up, then ``config.repeat`` timed greedy decodes of the config's prompt on the built model ``sm``:
+    (rates, the last run's ids, the bench counters, the store's raw stats)."""
+    prompt_ids = sm.tokenizer.encode(config.prompt)
+    if config.warmup_tokens:
+        timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
+    rates, (ids,), counters = _timed_runs(
+        label, lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
+    return rates, ids, counters, sm.store.stats()
+
+
+def _demand_gbps(stats: dict) -> float:
+    """The engine's demand-load rate: bytes read on the main thread over the seconds spent reading them."""
+    return stats["bytes_read"] / stats["read_s"] / 1e9 if stats["read_s"] else 0.0
+
+
 def io_report(model_dir: Path, config: StreamingConfig) -> dict:
     """Raw disk rate at the expert read size, then greedy decoding at the configured pool and io mode: the
     engine's demand-load rate (bytes read / seconds in demand reads) against the raw rate."""
@@ -260,12 +276,8 @@ def io_report(model_dir: Path, config: StreamingConfig) -> dict:
     with build_streaming_model(model_dir, config) as sm:
         _say(f"raw read probe ({config.io_mode})")
         raw = raw_read_probe(sm.store.index, config.io_mode)
-        prompt_ids = sm.tokenizer.encode(config.prompt)
-        if config.warmup_tokens:
-            timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
-        rates, (ids,), counters = _timed_runs("greedy", lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
-        s = sm.store.stats()
-        demand = s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0
+        rates, ids, counters, s = _greedy_runs(sm, config, "greedy")
+        demand = _demand_gbps(s)
         return {"model": str(model_dir), "io_mode": config.io_mode, "layout": "packed" if config.packed_dir else "scattered",
                 "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
                 "expert_bytes": sm.store.index.expert_bytes, "max_tokens": config.max_tokens, "repeat": config.repeat,
@@ -286,15 +298,11 @@ def _prefetch_row(model_dir: Path, config: StreamingConfig, label: str) -> dict:
 
     _say(f"{label}: building")
     with build_streaming_model(model_dir, config) as sm:
-        prompt_ids = sm.tokenizer.encode(config.prompt)
-        if config.warmup_tokens:
-            timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
-        rates, (ids,), counters = _timed_runs(label, lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
-        s = sm.store.stats()
+        rates, ids, counters, s = _greedy_runs(sm, config, label)
         row = {"label": label, "layout": "packed" if config.packed_dir else "scattered", "pool_slots": sm.store.capacity,
                "prefetch": config.prefetch, "ahead": config.prefetch_ahead, "mult": config.prefetch_mult,
                "tok_s": _spread(rates), "io": counters, "place_s": s["place_s"], "read_s": s["read_s"],
-               "demand_read_gbps": s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0, "ids": ids}
+               "demand_read_gbps": _demand_gbps(s), "ids": ids}
         if sm.store.predictor is not None:
             row["diagnostics"] = sm.store.predictor.diagnostics.stats()
     recall = row["diagnostics"]["decode"]["recall"] if "diagnostics" in row else None

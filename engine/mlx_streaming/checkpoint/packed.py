@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 from ..errors import CheckpointError
+from ..io.native import ALIGN
 from .experts import TENSOR_NAMES, ExpertIndex
 
-ALIGN = 4096
 INDEX_FILE = "packed_index.json"
 
 
