@@ -79,12 +79,12 @@ def test_expert_tensor_with_the_wrong_dtype(broken):
 
 
 def test_pool_slots_below_top_k(model_dir):
-    with pytest.raises(PoolTooSmallError, match="pool_slots=3 is below num_experts_per_tok=4"):
+    with pytest.raises(PoolTooSmallError, match="pool_slots=3 gives 3 expert slots per MoE layer, below num_experts_per_tok=4"):
         build_streaming_model(model_dir, StreamingConfig(pool_slots=3))
 
 
 def test_memory_budget_below_the_dense_weights(model_dir):
-    with pytest.raises(PoolTooSmallError, match="memory_budget=1000 bytes is below the dense weights"):
+    with pytest.raises(PoolTooSmallError, match="memory_budget=1000 B is below the dense weights"):
         build_streaming_model(model_dir, StreamingConfig(memory_budget=1000))
 
 

@@ -10,7 +10,7 @@ def test_unknown_io_mode_names_the_option():
 
 
 def test_two_pool_sizing_knobs_are_refused():
-    with pytest.raises(ConfigError, match="pool_slots, pool_bytes"):
+    with pytest.raises(ConfigError, match="pool_slots=8, pool_bytes=1048576"):
         StreamingConfig(pool_slots=8, pool_bytes=1 << 20)
 
 

@@ -37,7 +37,7 @@ def test_generate_prints_text_and_expert_traffic(model_dir):
 def test_cli_reports_bad_options_by_name(model_dir):
     out = _cli("generate", "--model", str(model_dir), "--pool-slots", "2")
     assert out.returncode == 2
-    assert "pool_slots=2 is below num_experts_per_tok" in out.stderr
+    assert "--pool-slots 2 gives 2 expert slots per MoE layer, below num_experts_per_tok" in out.stderr
 
 
 def test_synth_cli_writes_a_loadable_checkpoint(tmp_path):

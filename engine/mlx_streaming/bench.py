@@ -27,6 +27,7 @@ from .mtp.drafter import MTPDrafter
 from .mtp.profile import union_profile
 from .mtp.speculative import mtp_generate
 from .mtp.triage import first_divergence
+from .report import diagnostics_report
 
 
 def _say(text: str) -> None:
@@ -114,7 +115,10 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             "disk_load_ratio": spec_counters["disk_loads"] / greedy_counters["disk_loads"] if greedy_counters["disk_loads"] else None,
             "union_of_experts": unions,
             "memory": memory_snapshot(sm),
+            "pool": sm.pool_note,
         }
+        if config.diagnostics:
+            result["diagnostics"] = diagnostics_report(sm.store).splitlines()
     if compare_inmemory:
         result["inmemory"] = _inmemory(model_dir, config, prompt_ids)
         result["streaming_over_inmemory"] = result["greedy_tok_s"]["median"] / result["inmemory"]["tok_s"]["median"]
@@ -155,6 +159,10 @@ def table(result: dict) -> str:
     head = tabulate(rows, headers=["path", "tok/s median", "min", "max", "disk loads", "hit rate", "MB read"], floatfmt=".3f")
     u = result["union_of_experts"]
     summary = [
+        f"counters: the last timed run of each path (prompt prefill + {result['max_tokens']} tokens), after "
+        f"{result['warmup']} warm-up tokens whose pool state carries over; disk loads = demand + prefetch reads, "
+        f"MB read = every byte read (demand and prefetch)",
+        result["pool"],
         f"model {result['model']}  io_mode={result['io_mode']}  pool {result['pool_slots']}/{result['num_experts']} experts per layer  "
         f"max_tokens={result['max_tokens']} warmup={result['warmup']} repeat={result['repeat']}",
         f"speedup {result['speedup']:.3f}x  exact_match={result['exact_match']}  avg accept {result['avg_accept_len']:.3f} of {result['K'] - 1}  "
@@ -164,6 +172,7 @@ def table(result: dict) -> str:
     ]
     if "streaming_over_inmemory" in result:
         summary.append(f"streaming / in-memory greedy: {result['streaming_over_inmemory']:.3f}  (ids equal: {result['inmemory_ids_match']})")
+    summary.extend(result.get("diagnostics", []))
     return head + "\n" + "\n".join(summary)
 
 
@@ -265,7 +274,7 @@ def _greedy_runs(sm, config: StreamingConfig, label: str) -> tuple:
 
 def _demand_gbps(stats: dict) -> float:
     """The engine's demand-load rate: bytes read on the main thread over the seconds spent reading them."""
-    return stats["bytes_read"] / stats["read_s"] / 1e9 if stats["read_s"] else 0.0
+    return stats["demand_bytes"] / stats["read_s"] / 1e9 if stats["read_s"] else 0.0
 
 
 def io_report(model_dir: Path, config: StreamingConfig) -> dict:

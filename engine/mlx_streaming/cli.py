@@ -1,32 +1,71 @@
-"""The ``mlx-streaming`` console script: synth, generate, bench, repack, extract-mtp."""
+"""The ``mlx-streaming`` console script.
+
+Every engine option maps by name onto a ``StreamingConfig`` field; an error about a field is reported with the
+flag the user typed. Errors end in one line and exit status 2, Ctrl-C in one line and 130, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
-from .config import StreamingConfig, parse_size
+from .config import StreamingConfig, format_size, parse_size
 from .errors import StreamingError
 
+DESCRIPTION = """Run Mixture-of-Experts models larger than memory on MLX: dense weights resident, experts
+streamed from disk into a bounded pool, output equal to mlx-lm's in-memory model token for token.
+Without --model every command uses the embedded default model (a small trained Qwen3-Next)."""
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="model folder (default: the embedded default model)")
-    p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--max-tokens", type=int, help="tokens to generate")
-    p.add_argument("--pool-slots", type=int, help="expert slots per MoE layer")
-    p.add_argument("--pool-bytes", type=parse_size, help="bytes of resident experts, e.g. 2G")
-    p.add_argument("--memory-budget", type=parse_size, help="bytes for the whole process, e.g. 24G")
-    p.add_argument("--io-mode", choices=("buffered", "direct"), help="read experts through the page cache or not")
-    p.add_argument("--packed", dest="packed_dir", help="read experts from this packed layout (mlx-streaming repack)")
-    p.add_argument("--verify", action="store_true", default=None, help="byte-truth: check every expert placed into the pool against disk (STG_VERIFY=1)")
-    p.add_argument("--prefetch", action="store_true", default=None, help="read predicted experts in the background")
-    p.add_argument("--ahead", dest="prefetch_ahead", type=int, choices=(0, 1), help="predict this layer's (0) or the next layer's (1) experts")
-    p.add_argument("--mult", dest="prefetch_mult", type=int, help="predict top_k x MULT experts per token")
-    p.add_argument("--staging-bytes", type=parse_size, help="host bytes the prefetcher may hold, e.g. 64M")
-    p.add_argument("--diagnostics", action="store_true", default=None, help="measure prediction recall, miss attribution, main-thread timings")
+DEFAULTS = StreamingConfig()
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _default(field: str) -> str:
+    value = getattr(DEFAULTS, field)
+    return format_size(value) if field in ("staging_bytes", "memory_allowance") else repr(value)
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """What every command that builds a streaming model takes: the model, the pool, the reads."""
+    g = p.add_argument_group("model and expert pool (at most one of --pool-slots, --pool-bytes, --memory-budget; "
+                             "none: every expert resident)")
+    g.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the embedded default model)")
+    g.add_argument("--pool-slots", type=int, metavar="N", help="resident experts per MoE layer")
+    g.add_argument("--pool-bytes", type=_size, metavar="SIZE", help="bytes of resident experts, all layers together, e.g. 2G")
+    g.add_argument("--memory-budget", type=_size, metavar="SIZE",
+                   help="bytes for the whole process, e.g. 24G; the pool gets what the dense weights and "
+                        f"{_default('memory_allowance')} for caches leave")
+    g.add_argument("--io-mode", choices=("buffered", "direct"),
+                   help=f"read experts through the page cache or bypass it (default {DEFAULTS.io_mode})")
+    g.add_argument("--packed", dest="packed_dir", metavar="DIR", help="read experts from this packed layout (mlx-streaming repack)")
+    g.add_argument("--verify", action="store_true", default=None,
+                   help="byte truth: check every expert placed into the pool against its checksum (STG_VERIFY=1)")
+    g = p.add_argument_group("prefetch")
+    g.add_argument("--prefetch", action="store_true", default=None, help="read predicted experts in the background")
+    g.add_argument("--ahead", dest="prefetch_ahead", type=int, choices=(0, 1),
+                   help=f"predict this layer's (0) or the next layer's (1) experts (default {DEFAULTS.prefetch_ahead})")
+    g.add_argument("--mult", dest="prefetch_mult", type=int, metavar="M",
+                   help=f"predict top_k x MULT experts per token (default {DEFAULTS.prefetch_mult})")
+    g.add_argument("--staging-bytes", type=_size, metavar="SIZE",
+                   help=f"host bytes the prefetcher may hold, e.g. 64M (default {_default('staging_bytes')})")
+    g.add_argument("--diagnostics", action="store_true", default=None,
+                   help="print read and place times, and with --prefetch the predictor's recall and miss attribution")
+
+
+def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", metavar="TEXT", help=f"prompt text (default {DEFAULTS.prompt!r})")
+    g.add_argument("--max-tokens", type=int, metavar="N", help=f"tokens to generate (default {DEFAULTS.max_tokens})")
 
 
 def _config(args) -> StreamingConfig:
@@ -41,30 +80,45 @@ def _model_dir(args) -> Path:
     return args.model or default_model()
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _write_json(path: str, result) -> None:
+    Path(path).write_text(json.dumps(result, indent=2))
+
+
 def cmd_synth(args) -> None:
     from .checkpoint.synth import synth_checkpoint
 
-    out = synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout)
-    print(out)
+    print(synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout))
 
 
 def cmd_generate(args) -> None:
     from .generate import greedy_steps
     from .model import build_streaming_model
+    from .report import counters_line, diagnostics_report
 
     config = _config(args)
     with build_streaming_model(_model_dir(args), config) as sm:
+        _say(_with_flags(sm.pool_note, args.flags))
         tokenizer = sm.tokenizer
         detok = tokenizer.detokenizer
         detok.reset()
+        generated = 0
         for token, _ in greedy_steps(sm.model, tokenizer.encode(config.prompt), config.max_tokens, config.prefill_chunk):
             if token in tokenizer.eos_token_ids:
                 break
+            generated += 1
             detok.add_token(token)
             print(detok.last_segment, end="", flush=True)
         detok.finalize()
         print(detok.last_segment)
-        print(json.dumps(sm.store.stats()), file=sys.stderr)
+        stats = sm.store.stats()
+        _say(counters_line(stats, f"the prompt's prefill and {generated} generated tokens"))
+        if config.diagnostics:
+            _say(diagnostics_report(sm.store))
+        _say(json.dumps(stats))
 
 
 def cmd_evaluate(args) -> None:
@@ -74,7 +128,7 @@ def cmd_evaluate(args) -> None:
                       new_tokens=args.new_tokens)
     print(json.dumps(result, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        _write_json(args.json, result)
 
 
 def cmd_bench(args) -> None:
@@ -96,7 +150,7 @@ def cmd_bench(args) -> None:
         result = bench.run(_model_dir(args), _config(args), compare_inmemory=args.compare_inmemory)
         print(bench.table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        _write_json(args.json, result)
 
 
 def _without(argv, options) -> list:
@@ -121,6 +175,24 @@ def cmd_repack(args) -> None:
     print(repack(open_checkpoint(model_dir, StreamingConfig(mtp=has_mtp)).index, args.out))
 
 
+def cmd_checksum(args) -> None:
+    from .checkpoint.manifest import MANIFEST_FILE, read_manifest, write_manifest
+    from .checkpoint.packed import packed_index
+    from .errors import OutputError
+    from .model import open_checkpoint
+
+    model_dir = _model_dir(args)
+    index = open_checkpoint(model_dir, StreamingConfig(mtp=(model_dir / "mtp.safetensors").exists())).index
+    targets = [(model_dir, index)] + ([(args.packed_dir, packed_index(index, args.packed_dir))] if args.packed_dir else [])
+    for folder, folder_index in targets:
+        existing = read_manifest(folder)
+        if existing and not args.replace:
+            raise OutputError(f"{Path(folder) / MANIFEST_FILE}: already there (written by {existing['written_by']}); "
+                              f"pass --replace to take new checksums from the files as they are now")
+    for folder, folder_index in targets:
+        print(write_manifest(folder_index, folder, "checksum"))
+
+
 def cmd_extract_mtp(args) -> None:
     from .checkpoint.mtp_extract import extract_mtp
 
@@ -128,65 +200,124 @@ def cmd_extract_mtp(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlx-streaming", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    p = sub.add_parser("synth", help="write a synthetic Qwen3-Next checkpoint")
-    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "medium"))
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", default="mlx", choices=("mlx", "hf"))
-    p.set_defaults(func=cmd_synth)
+    parser = argparse.ArgumentParser(prog="mlx-streaming", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="greedy generation with streamed experts")
-    _add_engine_options(p)
+    p = sub.add_parser("generate", help="greedy generation with streamed experts",
+                       description="Greedy generation with streamed experts; text on stdout, pool and counters on stderr.")
+    _add_model_options(p)
+    _add_generation_options(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("evaluate", help="a trained model against its training report: held-out loss, MTP acceptance")
-    _add_engine_options(p)
-    p.add_argument("--loss-sequences", type=int, default=8, help="held-out sequences for the loss (about 25 s each here)")
-    p.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance measurement")
-    p.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt")
-    p.add_argument("--json", help="write the result here")
-    p.set_defaults(func=cmd_evaluate)
-
-    p = sub.add_parser("bench", help="decode tok/s and expert traffic: in-memory vs streaming")
-    _add_engine_options(p)
-    p.add_argument("--k", type=int, help="tokens per verify: 1 + K-1 MTP drafts (default 3)")
-    p.add_argument("--verify-mode", choices=("direct", "replay"), help="Gated-DeltaNet commit after a partial accept")
-    p.add_argument("--warmup", dest="warmup_tokens", type=int, help="warm-up tokens per path (default 8)")
-    p.add_argument("--repeat", type=int, help="timed runs per path, medians reported (default 3)")
-    p.add_argument("--pin-hot", type=int, help="pin each layer's N hottest experts, found by a calibration run")
-    p.add_argument("--pin-cal-tokens", type=int, help="tokens of the pin-hot calibration run")
-    p.add_argument("--dump-ids", help="write the greedy and speculative ids to this JSON file")
-    p.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
-    p.add_argument("--sweep", action="store_true", help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
-    p.add_argument("--io", action="store_true", help="disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)")
-    p.add_argument("--prefetch-report", action="store_true", help="greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with diagnostics")
-    p.add_argument("--processes", type=int, help="noise floor: run this benchmark in N fresh processes, report the spread")
-    p.add_argument("--json", help="write the full result here")
+    p = sub.add_parser("bench", help="decode tok/s and expert traffic: greedy vs MTP speculation, and more",
+                       description="Decode tok/s and expert traffic on one streaming model: greedy and MTP speculative "
+                                   "decoding side by side (default), or one of the reports below.")
+    _add_model_options(p)
+    _add_generation_options(p)
+    g = p.add_argument_group("speculation and timing")
+    g.add_argument("--k", type=int, help=f"tokens per verify: 1 + K-1 MTP drafts (default {DEFAULTS.k})")
+    g.add_argument("--commit-mode", dest="verify_mode", choices=("direct", "replay"),
+                   help="how Gated-DeltaNet state is committed after a partial accept: keep the per-position states "
+                        f"(direct) or restore a snapshot and replay (default {DEFAULTS.verify_mode})")
+    g.add_argument("--warmup", dest="warmup_tokens", type=int, metavar="N",
+                   help=f"warm-up tokens per path before the timed runs (default {DEFAULTS.warmup_tokens})")
+    g.add_argument("--repeat", type=int, metavar="N", help=f"timed runs per path, medians reported (default {DEFAULTS.repeat})")
+    g.add_argument("--pin-hot", type=int, metavar="N", help="pin each layer's N hottest experts, found by a calibration run")
+    g.add_argument("--pin-cal-tokens", type=int, metavar="N",
+                   help=f"tokens of the pin-hot calibration run (default {DEFAULTS.pin_cal_tokens})")
+    g.add_argument("--dump-ids", metavar="FILE", help="write the greedy and speculative ids to this JSON file")
+    g.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
+    g.add_argument("--json", metavar="FILE", help="write the full result here")
+    modes = p.add_argument_group("reports (one at a time)").add_mutually_exclusive_group()
+    modes.add_argument("--sweep", action="store_true",
+                       help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
+    modes.add_argument("--io", action="store_true",
+                       help="disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)")
+    modes.add_argument("--prefetch-report", action="store_true",
+                       help="greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with diagnostics")
+    modes.add_argument("--processes", type=int, metavar="N",
+                       help="noise floor: run the default benchmark in N fresh processes, report the spread")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("repack", help="write the experts in the packed layout (one aligned record per expert)")
-    p.add_argument("--model", type=Path, help="model folder (default: the embedded default model)")
-    p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser("evaluate", help="a trained model against its training report: held-out loss, MTP acceptance",
+                       description="Held-out loss and MTP acceptance of a trained model (the default one unless "
+                                   "--model), against the figures of its training run.")
+    _add_model_options(p)
+    p.add_argument("--loss-sequences", type=int, default=8, help="held-out sequences for the loss (about 25 s each on a CPU) (default 8)")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance measurement (default 16)")
+    p.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt (default 96)")
+    p.add_argument("--json", metavar="FILE", help="write the result here")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("synth", help="write a synthetic Qwen3-Next checkpoint",
+                       description="Write a synthetic Qwen3-Next checkpoint (random weights, real layout). --out must "
+                                   "be a new or empty folder, or one synth wrote before (then it is replaced).")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "medium"),
+                   help="size: tiny (~10 MB), small (~380 MB), medium (~2.8 GB) (default tiny)")
+    p.add_argument("--out", type=Path, metavar="DIR", required=True, help="the folder to write")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives byte-identical files (default 0)")
+    p.add_argument("--layout", default="mlx", choices=("mlx", "hf"),
+                   help="mlx: the 4-bit MLX conversion layout; hf: the original bf16 layout (default mlx)")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("repack", help="write the experts in the packed layout (one aligned record per expert)",
+                       description="Write the experts in the packed layout, then read them with --packed DIR. --out "
+                                   "must be a new or empty folder, or one repack wrote before.")
+    p.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the embedded default model)")
+    p.add_argument("--out", type=Path, metavar="DIR", required=True, help="the folder to write")
     p.set_defaults(func=cmd_repack)
 
-    p = sub.add_parser("extract-mtp", help="pull mtp.* out of an original-layout checkpoint")
-    p.add_argument("--hf", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--bits", type=int, default=4)
+    p = sub.add_parser("checksum", help="write the checksum manifest --verify checks experts against",
+                       description="Checksum every expert of a checkpoint made elsewhere (e.g. by mlx_lm.convert) "
+                                   "into expert-checksums.json beside its files; --verify then checks every expert "
+                                   "placed into the pool against it. synth, repack and extract-mtp write one already.")
+    p.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the embedded default model)")
+    p.add_argument("--packed", dest="packed_dir", metavar="DIR", type=Path, help="also checksum this packed layout")
+    p.add_argument("--replace", action="store_true",
+                   help="take new checksums from the files as they are now, over an existing manifest")
+    p.set_defaults(func=cmd_checksum)
+
+    p = sub.add_parser("extract-mtp", help="pull mtp.* out of an original-layout checkpoint",
+                       description="Convert the MTP head of an original-layout (Hugging Face) checkpoint, which "
+                                   "mlx_lm.convert drops, into the file --mtp reads (mtp.safetensors).")
+    p.add_argument("--hf", type=Path, metavar="DIR", required=True, help="the original-layout checkpoint folder")
+    p.add_argument("--out", type=Path, metavar="DIR", required=True,
+                   help="the file to write (usually MODEL/mtp.safetensors); a new file, or one extract-mtp wrote")
+    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 6, 8), help="expert and projection bits (default 4)")
     p.set_defaults(func=cmd_extract_mtp)
     return parser
 
 
+def _flags(parser: argparse.ArgumentParser, command: str) -> dict:
+    """``{destination: flag}`` of ``command``'s options. argparse has no public way to list a parser's actions,
+    so this reads ``_actions``."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {a.dest: a.option_strings[0] for a in sub._actions if a.option_strings}
+
+
+def _with_flags(message: str, flags: dict) -> str:
+    """``message`` with every ``field=`` / ``field must`` / ``field is`` of an option's field written as its flag."""
+    for dest, flag in flags.items():
+        message = re.sub(rf"\b{dest}=", f"{flag} ", message)
+        message = re.sub(rf"\b{dest} (must|is)\b", rf"{flag} \1", message)
+    return message
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv[1:]  # after the subcommand
+    parser = build_parser()
     try:
+        args = parser.parse_args(argv)
+        args.argv = argv[argv.index(args.command) + 1:]
+        args.flags = _flags(parser, args.command)
         args.func(args)
     except StreamingError as exc:
-        print(f"mlx-streaming: error: {exc}", file=sys.stderr)
+        print(f"mlx-streaming {args.command}: error: {_with_flags(str(exc), args.flags)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nmlx-streaming: interrupted", file=sys.stderr)
+        return 130
     return 0

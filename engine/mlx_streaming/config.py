@@ -76,6 +76,8 @@ class StreamingConfig:
         self.validate()
 
     def validate(self) -> None:
+        if not self.prompt:
+            raise ConfigError("prompt is empty: give some text to start from")
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
         if self.verify_mode not in VERIFY_MODES:
@@ -84,7 +86,8 @@ class StreamingConfig:
             raise ConfigError(f"k (tokens per verify) must be at least 2, got {self.k}")
         sizing = [n for n in ("pool_slots", "pool_bytes", "memory_budget") if getattr(self, n) is not None]
         if len(sizing) > 1:
-            raise ConfigError(f"set at most one of pool_slots, pool_bytes, memory_budget; got {', '.join(sizing)}")
+            given = ", ".join(f"{n}={getattr(self, n)}" for n in sizing)
+            raise ConfigError(f"set at most one pool size (slots, bytes or memory budget); got {given}")
         for name in ("pool_slots", "pool_bytes", "memory_budget"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -119,13 +122,27 @@ class StreamingConfig:
         return cls(**values)
 
 
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
 def parse_size(text: str) -> int:
-    """``"8G"``, ``"512M"``, ``"1.5GB"`` or plain bytes -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    """``"8G"``, ``"512M"``, ``"1.5GB"`` or plain bytes -> bytes (binary units)."""
     s = text.strip().upper().removesuffix("B").removesuffix("I")
-    if s and s[-1] in units:
-        return int(float(s[:-1]) * units[s[-1]])
-    return int(s)
+    try:
+        value = float(s[:-1]) * _UNITS[s[-1]] if s and s[-1] in _UNITS else int(s)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: give bytes or a number with K, M, G or T (e.g. 512M, 2G)") from None
+    if value < 0:
+        raise ValueError(f"{text!r} is not a size: it is negative")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """Bytes for people: ``"512 B"``, ``"1.0 KB"``, ``"12.3 MB"``, ``"1.50 GB"`` (binary units, as parse_size)."""
+    for unit, digits in (("T", 2), ("G", 2), ("M", 1), ("K", 1)):
+        if abs(n) >= _UNITS[unit]:
+            return f"{n / _UNITS[unit]:.{digits}f} {unit}B"
+    return f"{n} B"
 
 
 def _flag(text: str) -> bool:

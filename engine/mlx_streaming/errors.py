@@ -33,3 +33,11 @@ class ExpertIOError(StreamingError, OSError):
 
     #: Which of the ranges handed to ``ExpertReader.read`` failed.
     range_index = 0
+
+
+class OutputError(StreamingError):
+    """A command was asked to write where it must not: over a file or folder the project did not write."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint's architecture has no expert layers the engine can stream."""

@@ -15,6 +15,7 @@ from typing import Dict, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from tqdm import tqdm
 
 from .errors import CheckpointError
 
@@ -49,7 +50,7 @@ def heldout_sequences(model_dir: Path) -> mx.array:
 def heldout_loss(model, sequences: mx.array, batch: int = 8) -> float:
     """Mean next-token cross-entropy (nats) over every predicted position, as the training script counts it."""
     total, count = 0.0, 0
-    for i in range(0, sequences.shape[0], batch):
+    for i in tqdm(range(0, sequences.shape[0], batch), desc="held-out loss", unit="batch", disable=None):
         ids = sequences[i:i + batch]
         logits = model(ids[:, :-1]).astype(mx.float32)
         loss = nn.losses.cross_entropy(logits, ids[:, 1:], reduction="sum")
@@ -66,7 +67,7 @@ def mtp_acceptance(streaming_model, prompts: Sequence[Sequence[int]], new_tokens
     result = {}
     for k in ks:
         steps = accepted = 0
-        for prompt in prompts:
+        for prompt in tqdm(prompts, desc=f"MTP acceptance K={k}", unit="prompt", disable=None):
             _, stats = mtp_generate(streaming_model.model, MTPDrafter(streaming_model.mtp, streaming_model.model),
                                     list(prompt), new_tokens, k)
             steps += stats["steps"]

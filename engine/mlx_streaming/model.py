@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
@@ -20,11 +20,12 @@ from mlx_lm.utils import load_model, load_tokenizer
 from .cache.store import ExpertStore
 from .cache.verify import ByteVerifier
 from .checkpoint.experts import ExpertIndex
-from .checkpoint.mtp_extract import MTP_FILE
+from .checkpoint.mtp_extract import MTP_FILE, MTP_PREFIX
 from .checkpoint.packed import packed_index
 from .checkpoint.safetensors import read_checkpoint_headers, read_header
-from .config import StreamingConfig
-from .errors import CheckpointError, ConfigMismatchError, MissingTensorError, PoolTooSmallError
+from .config import StreamingConfig, format_size
+from .errors import (CheckpointError, ConfigMismatchError, MissingTensorError, PoolTooSmallError,
+                     UnsupportedModelError)
 from .io.reader import ExpertReader
 from .moe.predict import ExpertPredictor, install_predictor
 from .moe.prefetch import Prefetcher
@@ -43,6 +44,8 @@ class StreamingModel:
     path: Path
     model_config: dict
     dense_bytes: int
+    #: One line: what the pool became and which option sized it.
+    pool_note: str
     #: The MTP head (``config.mtp``), its experts in the same store under layer id ``num_hidden_layers``.
     mtp: Optional[object] = None
 
@@ -80,21 +83,36 @@ def moe_layer_prefixes(model) -> dict:
     }
 
 
-def pool_capacity(config: StreamingConfig, num_experts: int, expert_bytes: int, moe_layers: int, dense_bytes: int) -> int:
-    """Slots per layer from whichever sizing knob is set (none: every expert resident)."""
+def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_bytes: int, moe_layers: int,
+                  dense_bytes: int) -> Tuple[int, str]:
+    """Slots per MoE layer from whichever sizing knob is set (none: every expert resident), and one line
+    saying what the pool became. A pool bigger than the model's experts is cut to them (and says so); one
+    below ``top_k`` is refused, naming the knob."""
+    layer_bytes = expert_bytes * moe_layers
     if config.pool_slots is not None:
-        return config.pool_slots
-    if config.pool_bytes is not None:
-        return config.pool_bytes // (expert_bytes * moe_layers)
-    if config.memory_budget is not None:
+        slots, asked = config.pool_slots, f"pool_slots={config.pool_slots}"
+    elif config.pool_bytes is not None:
+        slots, asked = config.pool_bytes // layer_bytes, f"pool_bytes={format_size(config.pool_bytes)}"
+    elif config.memory_budget is not None:
         left = config.memory_budget - dense_bytes - config.memory_allowance
+        asked = f"memory_budget={format_size(config.memory_budget)}"
         if left <= 0:
             raise PoolTooSmallError(
-                f"memory_budget={config.memory_budget} bytes is below the dense weights ({dense_bytes} bytes) "
-                f"plus memory_allowance ({config.memory_allowance} bytes)"
-            )
-        return left // (expert_bytes * moe_layers)
-    return num_experts
+                f"{asked} is below the dense weights ({format_size(dense_bytes)}) plus memory_allowance "
+                f"({format_size(config.memory_allowance)}): nothing is left for the expert pool")
+        slots = left // layer_bytes
+    else:
+        slots, asked = num_experts, "no pool size given"
+    if slots < top_k:
+        raise PoolTooSmallError(
+            f"{asked} gives {slots} expert slots per MoE layer, below num_experts_per_tok={top_k}: one token needs "
+            f"{top_k} experts resident, at least {format_size(top_k * layer_bytes)} "
+            f"({moe_layers} MoE layers x {format_size(expert_bytes)} per expert)")
+    note = ""
+    if slots > num_experts:
+        slots, note = num_experts, f", more than the model has: cut to {num_experts}"
+    return slots, (f"pool: {slots} of {num_experts} experts per MoE layer x {moe_layers} layers = "
+                   f"{format_size(slots * layer_bytes)} ({asked}{note})")
 
 
 @dataclass
@@ -110,8 +128,17 @@ class _Checkpoint:
     dense_bytes: int
 
 
+#: The ``model_type`` values whose MoE blocks the engine streams.
+SUPPORTED_MODEL_TYPES = ("qwen3_next",)
+
+
 def open_checkpoint(path: Path, config: StreamingConfig) -> _Checkpoint:
     model_config = read_config(path)
+    model_type = model_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{Path(path) / 'config.json'}: model_type {model_type!r} is not supported; "
+            f"mlx-streaming streams the experts of: {', '.join(SUPPORTED_MODEL_TYPES)}")
     tensors = read_checkpoint_headers(path)
     try:
         model, model_config = load_model(path, lazy=True, strict=True)
@@ -128,7 +155,7 @@ def open_checkpoint(path: Path, config: StreamingConfig) -> _Checkpoint:
         head = load_mtp(model_config, mtp_path, lazy=True)
         tensors.update(read_header(mtp_path))
         mtp_layer = model_config["num_hidden_layers"]
-        prefixes[mtp_layer] = "mtp.layers.0.mlp.switch_mlp"
+        prefixes[mtp_layer] = f"{MTP_PREFIX}.switch_mlp"
         blocks[mtp_layer] = head.layers[0].mlp
     index = ExpertIndex(tensors, prefixes, model_config)
     expert_names = set(index.expert_tensor_names())
@@ -144,7 +171,8 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     config = config or StreamingConfig()
     ckpt = open_checkpoint(path, config)
     index, model_config = ckpt.index, ckpt.model_config
-    capacity = pool_capacity(config, index.num_experts, index.expert_bytes, len(ckpt.blocks), ckpt.dense_bytes)
+    capacity, pool_note = pool_capacity(config, index.num_experts, model_config["num_experts_per_tok"],
+                                        index.expert_bytes, len(ckpt.blocks), ckpt.dense_bytes)
     store = ExpertStore(index, reader or ExpertReader(config.io_mode), capacity, model_config["num_experts_per_tok"], config.record)
     if config.verify:
         store.verifier = ByteVerifier(index)
@@ -153,7 +181,8 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
     if config.prefetch:
         attach_prefetch(ckpt.model, store, config)
-    sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, ckpt.dense_bytes, ckpt.head)
+    sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, ckpt.dense_bytes,
+                        pool_note, ckpt.head)
     if config.pin_hot:
         pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
     return sm

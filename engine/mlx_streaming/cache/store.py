@@ -31,10 +31,11 @@ def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
 class ExpertStore:
     #: fastpath / fallback: layer calls whose routed experts were all resident / were not;
     #: grouped: layer calls that needed more experts than fit and ran in groups.
-    #: read_s: seconds spent in demand reads (bytes_read / read_s is the engine's demand-load rate).
+    #: demand_bytes: bytes of demand reads; read_s: seconds spent in them (demand_bytes / read_s is the
+    #: engine's demand-load rate). ``stats()["bytes_read"]`` is every byte read from disk, prefetch included.
     #: misses: experts not resident at acquire; prefetched: of those, placed from the prefetcher's staging
     #: (the rest were demand-loaded on the main thread); place_s: seconds placing bytes into the pool.
-    COUNTERS = ("hits", "misses", "prefetched", "evictions", "bytes_read", "read_s", "place_s", "fastpath",
+    COUNTERS = ("hits", "misses", "prefetched", "evictions", "demand_bytes", "read_s", "place_s", "fastpath",
                 "fallback", "grouped")
 
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False):
@@ -80,6 +81,8 @@ class ExpertStore:
     def stats(self) -> dict:
         counters = {name: getattr(self, name) for name in self.COUNTERS}
         counters["demand_loads"] = self.misses - self.prefetched
+        counters["prefetch_bytes"] = self.prefetcher.prefetch_loads * self.index.expert_bytes if self.prefetcher else 0
+        counters["bytes_read"] = self.demand_bytes + counters["prefetch_bytes"]
         if self.verifier is not None:
             counters.update(self.verifier.stats())
         if self.prefetcher is not None:
@@ -131,7 +134,7 @@ class ExpertStore:
             self.read_s += time.perf_counter() - start
             for i, e in enumerate(demand):
                 staged[e] = buffers[i * per_expert:(i + 1) * per_expert]
-            self.bytes_read += sum(s.nbytes for e in demand for s in slices[e])
+            self.demand_bytes += sum(s.nbytes for e in demand for s in slices[e])
         start = time.perf_counter()
         pool, policy = self.pools[layer], self.policies[layer]
         placed = []

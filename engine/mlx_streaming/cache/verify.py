@@ -1,10 +1,11 @@
-"""Byte-truth verification: the bytes that land in the pool are the bytes on disk.
+"""Byte-truth verification: the bytes that land in the pool are the bytes the checkpoint was written with.
 
-Checksums (CRC32C, native or its Python twin) of every expert tensor are computed once, when the verifier is built, by a path that
-shares nothing with the reader (buffered Python file objects, one read per tensor); every expert placed
-into the pool is then read back out of the MLX pool arrays and checked. So a fault anywhere on the way (the
-read, the dtype view, the slot write) or a shard changed on disk after indexing is caught. ``calls`` counts
-checks, so a report of ``bad == 0`` can show that checks ran.
+Every expert placed into the pool is read back out of the MLX pool arrays and its CRC32C compared with a
+reference. The reference is the checkpoint's checksum manifest where one covers the tensor (taken when the
+checkpoint was written: corruption on disk since then is caught), else a checksum read from disk when the
+verifier is built (a fault on the way from disk to the pool, or a shard changed after the build, is caught;
+what was already corrupt at build is not). ``calls`` counts checks, so a report of ``bad == 0`` can show
+that checks ran; ``from_manifest`` counts the expert tensors whose reference is a manifest.
 """
 
 from __future__ import annotations
@@ -15,52 +16,55 @@ import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
+from ..checkpoint.manifest import ManifestChecksums, checksum_slices
 from ..errors import StreamingError
 from ..io.native import crc32c
 
 
 class ExpertVerifyError(StreamingError):
-    """An expert's bytes in the pool differ from its bytes on disk."""
-
-
-def _crc(data) -> int:
-    return crc32c(memoryview(data).cast("B"))
+    """An expert's bytes in the pool differ from its reference checksum."""
 
 
 class ByteVerifier:
     def __init__(self, index: ExpertIndex):
         self.index = index
-        self._expected: Dict[Tuple[int, int, str], int] = {}
-        files = {}
-        try:
-            for layer in index.layers:
-                for e in range(index.num_experts):
-                    for s in index.slices(layer, e):
-                        f = files.get(s.path) or files.setdefault(s.path, open(s.path, "rb"))
-                        f.seek(s.offset)
-                        self._expected[(layer, e, s.tensor)] = _crc(f.read(s.nbytes))
-        finally:
-            for f in files.values():
-                f.close()
+        manifests = ManifestChecksums(index)
+        self.manifests = manifests.folders
+        self._expected: Dict[Tuple[int, int, str], Tuple[int, str]] = {}
+        unlisted = []
+        for layer in index.layers:
+            for e in range(index.num_experts):
+                for s in index.slices(layer, e):
+                    crc = manifests.expected(s)
+                    if crc is None:
+                        unlisted.append((layer, e, s))
+                    else:
+                        self._expected[(layer, e, s.tensor)] = (crc, "the checksum manifest")
+        self.from_manifest = len(self._expected)
+        from_disk = checksum_slices(s for _, _, s in unlisted)
+        for layer, e, s in unlisted:
+            self._expected[(layer, e, s.tensor)] = (from_disk[s], "checksummed when the model was built")
         self.calls = self.ok = self.bad = 0
 
     def reset_stats(self) -> None:
         self.calls = self.ok = self.bad = 0
 
     def stats(self) -> dict:
-        return {"verify_calls": self.calls, "verify_ok": self.ok, "verify_bad": self.bad}
+        return {"verify_calls": self.calls, "verify_ok": self.ok, "verify_bad": self.bad,
+                "verify_from_manifest": self.from_manifest}
 
     def check(self, layer: int, expert: int, pool: Dict[str, mx.array], slot: int) -> None:
-        """Compare every tensor of ``expert`` in ``pool[...][slot]`` with its checksum from disk."""
+        """Compare every tensor of ``expert`` in ``pool[...][slot]`` with its reference checksum."""
         self.calls += 1
         for s in self.index.slices(layer, expert):
             held = pool[s.tensor][slot]
             if held.dtype == mx.bfloat16:
                 held = held.view(mx.uint16)
-            if _crc(np.ascontiguousarray(np.array(held))) != self._expected[(layer, expert, s.tensor)]:
+            expected, reference = self._expected[(layer, expert, s.tensor)]
+            if crc32c(memoryview(np.ascontiguousarray(np.array(held))).cast("B")) != expected:
                 self.bad += 1
                 raise ExpertVerifyError(
                     f"layer {layer} expert {expert} tensor {s.tensor}: the pool's bytes differ from {s.path} "
-                    f"at offset {s.offset} ({s.nbytes} bytes) as checksummed when the model was built"
+                    f"at offset {s.offset} ({s.nbytes} bytes) as {reference}"
                 )
         self.ok += 1

@@ -16,10 +16,15 @@ from mlx_lm.models.qwen3_next import Model, ModelArgs
 
 from ..errors import CheckpointError, MissingTensorError
 from ..mtp.head import MTPHead, is_zero_centred
+from .experts import ExpertIndex
+from .manifest import write_manifest
+from .output import fresh_file, writer_metadata
 from .quantize import BITS, quant_plan, quantize_weights
-from .safetensors import read_checkpoint_headers
+from .safetensors import read_checkpoint_headers, read_header
 
 MTP_FILE = "mtp.safetensors"
+#: The MTP layer's MoE block, as ``mtp.load_mtp`` and the engine name it.
+MTP_PREFIX = "mtp.layers.0.mlp"
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -27,7 +32,7 @@ def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: Optional
     """Original-layout ``mtp.*`` tensors -> the MLX layout (still ``mtp.``-prefixed), quantized to ``bits``
     (router gates 8-bit), or left bf16 when ``bits`` is None."""
     weights = {k.removeprefix("mtp."): v for k, v in hf_weights.items() if k.startswith("mtp.")}
-    prefix = "layers.0.mlp"
+    prefix = MTP_PREFIX.removeprefix("mtp.")
     for proj in EXPERT_PROJS:
         names = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(args.num_experts)]
         missing = [n for n in names if n not in weights]
@@ -64,6 +69,12 @@ def extract_mtp(hf_dir: Path, out_file: Path, bits: int = BITS) -> Path:
     hf_weights = {}
     for shard in shards:
         hf_weights.update({k: v for k, v in mx.load(str(shard)).items() if k.startswith("mtp.")})
-    weights = convert_mtp(hf_weights, ModelArgs.from_dict(config), bits)
-    mx.save_safetensors(str(out_file), weights, metadata={"format": "mlx"})
-    return Path(out_file)
+    args = ModelArgs.from_dict(config)
+    weights = convert_mtp(hf_weights, args, bits)
+    with fresh_file(out_file, "extract-mtp") as partial:
+        mx.save_safetensors(str(partial), weights, metadata=writer_metadata("extract-mtp"))
+    out_file = Path(out_file).absolute()
+    quantized = {**config, "quantization": {"bits": bits, "group_size": 64}}
+    index = ExpertIndex(read_header(out_file), {args.num_hidden_layers: f"{MTP_PREFIX}.switch_mlp"}, quantized)
+    write_manifest(index, out_file.parent, "extract-mtp")
+    return out_file

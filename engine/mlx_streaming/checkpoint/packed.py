@@ -9,9 +9,13 @@ import json
 from pathlib import Path
 from typing import Dict, Tuple
 
+from tqdm import tqdm
+
 from ..errors import CheckpointError
 from ..io.native import ALIGN
 from .experts import TENSOR_NAMES, ExpertIndex
+from .manifest import write_manifest
+from .output import fresh_folder
 
 INDEX_FILE = "packed_index.json"
 
@@ -26,12 +30,18 @@ def _record_layout(index: ExpertIndex) -> Tuple[Dict[str, int], int]:
 
 
 def repack(index: ExpertIndex, out_dir: Path) -> Path:
-    """Write every layer's experts of ``index`` into ``out_dir`` in the packed layout; return the index file."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write every layer's experts of ``index`` into ``out_dir`` in the packed layout, with a checksum
+    manifest; return the index file. ``out_dir`` must be new, empty, or an earlier ``repack`` output."""
+    with fresh_folder(out_dir, "repack") as partial:
+        _write(index, partial)
+        write_manifest(packed_index(index, partial), partial, "repack")
+    return Path(out_dir).absolute() / INDEX_FILE
+
+
+def _write(index: ExpertIndex, out_dir: Path) -> None:
     offsets, record = _record_layout(index)
     layers = {}
-    for layer in index.layers:
+    for layer in tqdm(index.layers, desc="repack", unit="layer", disable=None):
         name = f"experts-layer{layer:03d}.bin"
         with open(out_dir / name, "wb") as out:
             for expert in range(index.num_experts):
@@ -47,7 +57,6 @@ def repack(index: ExpertIndex, out_dir: Path) -> Path:
                             "shape": list(index.tensor_specs[n][1])} for n in TENSOR_NAMES},
             "layers": layers}
     (out_dir / INDEX_FILE).write_text(json.dumps(meta, indent=2))
-    return out_dir / INDEX_FILE
 
 
 def packed_index(index: ExpertIndex, packed_dir: Path) -> ExpertIndex:

@@ -39,9 +39,8 @@ class TensorInfo:
     nbytes: int
 
 
-def read_header(path: os.PathLike) -> Dict[str, TensorInfo]:
-    """Parse one shard's header and check it against the file's size."""
-    path = Path(path)
+def _raw_header(path: Path) -> tuple:
+    """(header JSON object, byte where the data starts, file size), checked against the file's size."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -60,8 +59,19 @@ def read_header(path: os.PathLike) -> Dict[str, TensorInfo]:
             raise ValueError("header is not a JSON object")
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    return header, 8 + n, size
 
-    data_start = 8 + n
+
+def read_metadata(path: os.PathLike) -> Dict[str, str]:
+    """A safetensors file's ``__metadata__`` (empty when it has none)."""
+    metadata = _raw_header(Path(path))[0].get("__metadata__")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def read_header(path: os.PathLike) -> Dict[str, TensorInfo]:
+    """Parse one shard's header and check it against the file's size."""
+    path = Path(path)
+    header, data_start, size = _raw_header(path)
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -101,12 +111,13 @@ def read_checkpoint_headers(model_dir: os.PathLike) -> Dict[str, TensorInfo]:
     else:
         weight_map = None
         shards = ["model.safetensors"]
+        if not (model_dir / shards[0]).exists():
+            raise CheckpointError(f"{model_dir}: no weights: neither {index_path.name} nor {shards[0]} is there")
     tensors = {}
     for shard in shards:
         shard_path = model_dir / shard
         if not shard_path.exists():
-            where = f"shard named in {index_path.name}" if weight_map is not None else f"no {index_path.name} and no shard"
-            raise CheckpointError(f"{shard_path}: {where} is missing")
+            raise CheckpointError(f"{shard_path}: shard named in {index_path.name} is missing")
         tensors.update(read_header(shard_path))
     if weight_map is not None:
         for name, shard in weight_map.items():

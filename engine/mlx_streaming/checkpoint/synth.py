@@ -11,7 +11,6 @@ whole, and writes the MTP head to ``mtp.safetensors`` with ``convert_mtp``.
 from __future__ import annotations
 
 import json
-import shutil
 import zlib
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
@@ -20,10 +19,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3_next import Model, ModelArgs
+from tqdm import tqdm
 
 from ..errors import ConfigError
 from ..mtp.head import MTPHead
+from .manifest import write_manifest
 from .mtp_extract import MTP_FILE, convert_mtp
+from .output import fresh_folder, writer_metadata
 from .quantize import quant_plan, quantization_block, quantize_weights
 from .tokenizer_files import write_byte_tokenizer
 
@@ -157,7 +159,7 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         part = self.out_dir / f".part-{len(self.parts)}.safetensors"
-        mx.save_safetensors(str(part), self.pending, metadata={"format": "mlx"})
+        mx.save_safetensors(str(part), self.pending, metadata=writer_metadata("synth"))
         self.parts.append((part, list(self.pending)))
         self.pending = {}
 
@@ -175,13 +177,22 @@ class _ShardWriter:
 
 
 def synth_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0, layout: str = "mlx") -> Path:
-    """Write a synthetic checkpoint into ``out_dir`` (replacing what is there) and return it."""
+    """Write a synthetic checkpoint to ``out_dir`` and return it. ``out_dir`` must be new, empty, or written
+    by this project earlier (then it is replaced whole, once the new one is complete); the mlx layout gets a
+    checksum manifest of its experts."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    with fresh_folder(out_dir, "synth") as partial:
+        _write(partial, preset, seed, layout)
+        if layout == "mlx":
+            from ..config import StreamingConfig
+            from ..model import open_checkpoint
+
+            write_manifest(open_checkpoint(partial, StreamingConfig(mtp=True)).index, partial, "synth")
+    return Path(out_dir)
+
+
+def _write(out_dir: Path, preset: str, seed: int, layout: str) -> None:
     vocab = write_byte_tokenizer(out_dir)
     config = preset_config(preset, vocab_size=-(-vocab // 64) * 64)
     args = ModelArgs.from_dict(config)
@@ -189,12 +200,13 @@ def synth_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0, layout:
     plan = quant_plan(template, template.quant_predicate)
     writer = _ShardWriter(out_dir, PRESETS[preset]["shard_mb"] << 20)
 
-    for chunk in _chunks(hf_tensor_specs(args), args.num_hidden_layers):
+    chunks = list(_chunks(hf_tensor_specs(args), args.num_hidden_layers))
+    for chunk in tqdm(chunks, desc=f"synth {preset}", unit="layer", disable=None):
         weights = {n: mx.array(init_value(n, s, seed)).astype(mx.bfloat16) for n, s in chunk}
         if layout == "hf":
             writer.add(weights)
         elif chunk[0][0].startswith("mtp."):
-            mx.save_safetensors(str(out_dir / MTP_FILE), convert_mtp(weights, args), metadata={"format": "mlx"})
+            mx.save_safetensors(str(out_dir / MTP_FILE), convert_mtp(weights, args), metadata=writer_metadata("synth"))
         else:
             writer.add(quantize_weights(template.sanitize(weights), plan))
         mx.eval(writer.pending)
@@ -204,4 +216,3 @@ def synth_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0, layout:
         block = quantization_block(plan)
         config.update(quantization=block, quantization_config=block)
     (out_dir / "config.json").write_text(json.dumps(config, indent=4))
-    return out_dir

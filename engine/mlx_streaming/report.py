@@ -1,0 +1,39 @@
+"""Counters and diagnostics for people: what each number counts, and over which tokens."""
+
+from __future__ import annotations
+
+from .config import format_size
+
+
+def counters_line(stats: dict, covers: str) -> str:
+    """One line of the store's counters, saying what they cover (e.g. "the prompt's prefill and 12 generated
+    tokens"); the pool starts empty at build, so the first tokens of a run always load."""
+    looked_up = stats["hits"] + stats["misses"]
+    line = (f"counters over {covers}: {looked_up} experts routed, {stats['hits']} resident "
+            f"({stats['hits'] / looked_up if looked_up else 0:.1%}), {stats['demand_loads']} demand loads")
+    if stats.get("prefetch_loads") is not None:
+        line += f", {stats['prefetch_loads']} prefetch reads ({stats['prefetched']} of them used)"
+    line += f"; {format_size(stats['bytes_read'])} read from disk"
+    if stats.get("verify_calls") is not None:
+        line += f"; verify: {stats['verify_calls']} checks, {stats['verify_bad']} bad"
+    return line
+
+
+def diagnostics_report(store) -> str:
+    """Main-thread read and place time, and with prefetch on the predictor's recall and miss attribution."""
+    s = store.stats()
+    lines = [f"diagnostics: demand reads {s['read_s'] * 1000:.1f} ms for {format_size(s['demand_bytes'])}, "
+             f"placing experts into the pool {s['place_s'] * 1000:.1f} ms"]
+    if store.predictor is None or store.predictor.diagnostics is None:
+        lines.append("diagnostics: no predictor (prefetch is off): nothing to attribute")
+        return "\n".join(lines)
+    d = store.predictor.diagnostics.stats()
+    for scope in ("all", "decode"):
+        c = d[scope]
+        lines.append(
+            f"diagnostics ({'every forward' if scope == 'all' else 'decode steps'}): recall {c['recall']:.3f} "
+            f"({c['predicted_and_routed']} of {c['routed']} routed were predicted); not resident at acquire: "
+            f"A not finished {c['a_not_finished']}, A evicted {c['a_evicted']}, B not predicted {c['b_not_predicted']}; "
+            f"mean submit-to-acquire {c['avg_window_ms']:.1f} ms")
+    lines.append(f"diagnostics: main thread predict {d['predict_s'] * 1000:.1f} ms, submit {d['submit_s'] * 1000:.1f} ms")
+    return "\n".join(lines)
