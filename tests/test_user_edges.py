@@ -190,9 +190,17 @@ def test_a_bench_mode_with_processes_is_refused_up_front():
     _one_line_error(_cli("bench", "--sweep", "--processes", "2"), "--processes", "not allowed with", "--sweep")
 
 
-def test_another_architecture_names_its_model_type(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    _one_line_error(_cli("generate", "--model", tmp_path), "model_type 'llama' is not supported", "qwen3_next")
+def test_a_dense_model_names_its_model_type(tmp_path):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"),
+                        dict(tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _one_line_error(_cli("generate", "--model", tmp_path), "model_type 'llama' has no routed experts", "SwitchGLU")
 
 
 def test_a_folder_without_weights_says_so(model_copy):

@@ -181,18 +181,17 @@ def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=
     mode (the full pool only buffered: it reads each expert once)."""
     from mlx_lm.utils import load_tokenizer
 
-    from .model import build_streaming_model, read_config
+    from .model import build_streaming_model
 
     prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
-    num_experts = read_config(Path(model_dir))["num_experts"]
     inmemory = _inmemory(model_dir, config, prompt_ids)
     reference = inmemory["ids"]
     rows = [{"scenario": "mlx-lm in-memory", "io_mode": "-", "pool_slots": "-", "tok_s": inmemory["tok_s"], "ids_match": True}]
     for fraction in pools:
         for io_mode in io_modes[:1] if fraction >= 1.0 else io_modes:
-            slots = max(1, round(num_experts * fraction))
-            cfg = config.replace(pool_slots=slots, pool_bytes=None, memory_budget=None, io_mode=io_mode)
+            cfg = config.with_pool(pool_fraction=fraction).replace(io_mode=io_mode)
             with build_streaming_model(model_dir, cfg) as sm:
+                slots = sm.store.capacity
                 if config.warmup_tokens:
                     timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
                 rates, (ids,), counters = _timed_runs(f"stream {fraction:.0%} {io_mode}", lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
@@ -337,7 +336,9 @@ def prefetch_report(model_dir: Path, config: StreamingConfig) -> dict:
             if layout and (minimum or mult > 1):
                 continue
             row_config = config.replace(packed_dir=layout, prefetch=prefetch, prefetch_ahead=ahead, prefetch_mult=mult,
-                                        diagnostics=prefetch, pool_slots=top_k if minimum else config.pool_slots)
+                                        diagnostics=prefetch)
+            if minimum:
+                row_config = row_config.with_pool(pool_slots=top_k)
             rows.append(_prefetch_row(model_dir, row_config, label))
     reference = rows[1]["tok_s"]["median"]
     ids = [row.pop("ids") for row in rows]
@@ -364,3 +365,54 @@ def prefetch_table(report: dict) -> str:
             f"\nio_mode={report['io_mode']}  raw read {raw['gbps']:.3f} GB/s at {raw['bytes'] // raw['experts']} B "
             f"per expert ({raw['experts']} experts)  max_tokens={report['max_tokens']} repeat={report['repeat']}  "
             f"ids identical across rows: {report['ids_identical']}")
+
+
+def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """The engine's own cost per token: mlx-lm's in-memory greedy against streaming greedy (and MTP
+    speculation where the model has a head) at the configured pool, with the miss check per MoE layer and
+    per token. Per row: decode tok/s (median), ms per token, and per generated token of the last timed run
+    the engine's host syncs and the seconds it waited in them; the ids of every row against in-memory."""
+    from mlx_lm.utils import load_tokenizer
+
+    from .model import build_streaming_model
+
+    prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
+    inmemory = _inmemory(model_dir, config, prompt_ids)
+    rows = [{"path": "mlx-lm in-memory greedy", "miss_check": "-", "tok_s": inmemory["tok_s"], "ids_match": True}]
+    has_mtp = (Path(model_dir) / "mtp.safetensors").exists() or config.mtp_path
+    for miss_check in ("layer", "token"):
+        with build_streaming_model(model_dir, config.replace(miss_check=miss_check, mtp=bool(has_mtp))) as sm:
+            rates, ids, counters, s = _greedy_runs(sm, config, f"greedy, miss check per {miss_check}")
+            rows.append(_overhead_row("streaming greedy", miss_check, rates, s, len(ids), ids == inmemory["ids"], sm))
+            if has_mtp:
+                def spec_once():
+                    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, config.max_tokens,
+                                              config.k, config.verify_mode, config.prefill_chunk)
+                    return stats["decode_tok_s"], ids
+                spec_once()  # warm-up
+                rates, (ids,), _ = _timed_runs(f"MTP K={config.k}, miss check per {miss_check}", spec_once, sm.store,
+                                               config.repeat)
+                rows.append(_overhead_row(f"streaming MTP K={config.k}", miss_check, rates, sm.store.stats(), len(ids),
+                                          ids == inmemory["ids"], sm))
+    return {"model": str(model_dir), "device": str(mx.default_device()), "io_mode": config.io_mode,
+            "max_tokens": config.max_tokens, "warmup": config.warmup_tokens, "repeat": config.repeat, "rows": rows}
+
+
+def _overhead_row(path: str, miss_check: str, rates, stats: dict, tokens: int, ids_match: bool, sm) -> dict:
+    return {"path": path, "miss_check": miss_check, "pool_slots": sm.store.capacity, "tok_s": _spread(rates),
+            "host_syncs_per_token": stats["host_syncs"] / tokens, "sync_ms_per_token": 1000 * stats["sync_s"] / tokens,
+            "deferred_forwards": stats["deferred_forwards"], "deferred_retries": stats["deferred_retries"],
+            "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]), "ids_match": ids_match}
+
+
+def overhead_table(report: dict) -> str:
+    from tabulate import tabulate
+
+    base = report["rows"][0]["tok_s"]["median"]
+    body = [[r["path"], r["miss_check"], r.get("pool_slots", "-"), r["tok_s"]["median"], 1000 / r["tok_s"]["median"],
+             r["tok_s"]["median"] / base, r.get("host_syncs_per_token", "-"), r.get("sync_ms_per_token", "-"),
+             f"{r.get('deferred_retries', '-')}/{r.get('deferred_forwards', '-')}", r["ids_match"]] for r in report["rows"]]
+    return (tabulate(body, headers=["path", "miss check", "pool", "tok/s", "ms/token", "x in-memory", "host syncs/token",
+                                    "sync wait ms/token", "retried/deferred", "ids = in-memory"], floatfmt=".2f")
+            + f"\n{report['device']}  io_mode={report['io_mode']}  max_tokens={report['max_tokens']} "
+              f"warmup={report['warmup']} repeat={report['repeat']} (median); counters: the last timed run, per token")

@@ -37,11 +37,13 @@ def _default(field: str) -> str:
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     """What every command that builds a streaming model takes: the model, the pool, the reads."""
-    g = p.add_argument_group("model and expert pool (at most one of --pool-slots, --pool-bytes, --memory-budget; "
-                             "none: every expert resident)")
+    g = p.add_argument_group("model and expert pool (at most one of --pool-slots, --pool-bytes, --pool-fraction, "
+                             "--memory-budget; none: every expert resident)")
     g.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the embedded default model)")
     g.add_argument("--pool-slots", type=int, metavar="N", help="resident experts per MoE layer")
     g.add_argument("--pool-bytes", type=_size, metavar="SIZE", help="bytes of resident experts, all layers together, e.g. 2G")
+    g.add_argument("--pool-fraction", type=float, metavar="F",
+                   help="the share of each MoE layer's experts kept resident, e.g. 0.25")
     g.add_argument("--memory-budget", type=_size, metavar="SIZE",
                    help="bytes for the whole process, e.g. 24G; the pool gets what the dense weights and "
                         f"{_default('memory_allowance')} for caches leave")
@@ -50,6 +52,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--packed", dest="packed_dir", metavar="DIR", help="read experts from this packed layout (mlx-streaming repack)")
     g.add_argument("--verify", action="store_true", default=None,
                    help="byte truth: check every expert placed into the pool against its checksum (STG_VERIFY=1)")
+    g.add_argument("--miss-check", choices=("token", "layer"),
+                   help="check that routed experts are resident once per forward, rerunning it layer by layer "
+                        "after a miss (token), or at every MoE layer (layer) (default token)")
     g = p.add_argument_group("prefetch")
     g.add_argument("--prefetch", action="store_true", default=None, help="read predicted experts in the background")
     g.add_argument("--ahead", dest="prefetch_ahead", type=int, choices=(0, 1),
@@ -89,6 +94,11 @@ def _write_json(path: str, result) -> None:
 
 
 def cmd_synth(args) -> None:
+    if args.arch:
+        from .checkpoint.arch_synth import synth_arch
+
+        print(synth_arch(args.out, args.arch, seed=args.seed))
+        return
     from .checkpoint.synth import synth_checkpoint
 
     print(synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout))
@@ -146,6 +156,9 @@ def cmd_bench(args) -> None:
     elif args.prefetch_report:
         result = bench.prefetch_report(_model_dir(args), _config(args))
         print(bench.prefetch_table(result))
+    elif args.overhead:
+        result = bench.overhead_report(_model_dir(args), _config(args))
+        print(bench.overhead_table(result))
     else:
         result = bench.run(_model_dir(args), _config(args), compare_inmemory=args.compare_inmemory)
         print(bench.table(result))
@@ -238,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)")
     modes.add_argument("--prefetch-report", action="store_true",
                        help="greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with diagnostics")
+    modes.add_argument("--overhead", action="store_true",
+                       help="the engine's own cost per token: in-memory vs streaming with the miss check per layer "
+                            "and per token (host syncs, wait), greedy and MTP")
     modes.add_argument("--processes", type=int, metavar="N",
                        help="noise floor: run the default benchmark in N fresh processes, report the spread")
     p.set_defaults(func=cmd_bench)
@@ -252,15 +268,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the result here")
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("synth", help="write a synthetic Qwen3-Next checkpoint",
-                       description="Write a synthetic Qwen3-Next checkpoint (random weights, real layout). --out must "
-                                   "be a new or empty folder, or one synth wrote before (then it is replaced).")
+    p = sub.add_parser("synth", help="write a synthetic checkpoint (Qwen3-Next presets, or any supported --arch)",
+                       description="Write a synthetic checkpoint (random weights, real layout). --out must be a new or "
+                                   "empty folder, or one synth wrote before (then it is replaced).")
     p.add_argument("--preset", default="tiny", choices=("tiny", "small", "medium"),
                    help="size: tiny (~10 MB), small (~380 MB), medium (~2.8 GB) (default tiny)")
     p.add_argument("--out", type=Path, metavar="DIR", required=True, help="the folder to write")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives byte-identical files (default 0)")
     p.add_argument("--layout", default="mlx", choices=("mlx", "hf"),
                    help="mlx: the 4-bit MLX conversion layout; hf: the original bf16 layout (default mlx)")
+    p.add_argument("--arch", metavar="NAME",
+                   help="instead of a Qwen3-Next preset, a tiny checkpoint of this mlx-lm MoE architecture "
+                        "(model_type, e.g. mixtral, deepseek_v3), written by mlx-lm's own classes and save code")
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("repack", help="write the experts in the packed layout (one aligned record per expert)",

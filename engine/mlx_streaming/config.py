@@ -14,7 +14,10 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 IO_MODES = ("buffered", "direct")
+#: The knobs that size the expert pool; at most one may be set (none: every expert resident).
+POOL_SIZES = ("pool_slots", "pool_bytes", "memory_budget", "pool_fraction")
 VERIFY_MODES = ("direct", "replay")
+MISS_CHECKS = ("token", "layer")
 
 #: Memory kept free for KV caches, activations and temporaries when the pool size is derived from
 #: ``memory_budget``: the pool gets ``memory_budget - dense weights - memory_allowance``.
@@ -25,12 +28,15 @@ DEFAULT_MEMORY_ALLOWANCE = 512 << 20
 class StreamingConfig:
     """Engine settings. ``None`` for every pool knob means: one slot per expert (everything resident)."""
 
-    #: Experts each MoE layer keeps resident. At most one of pool_slots / pool_bytes / memory_budget.
+    #: Experts each MoE layer keeps resident. At most one of pool_slots / pool_bytes / memory_budget /
+    #: pool_fraction.
     pool_slots: Optional[int] = None
     #: Bytes of expert weights all MoE layers together keep resident.
     pool_bytes: Optional[int] = None
     #: Bytes the whole process may use; the pool gets what the dense weights and the allowance leave.
     memory_budget: Optional[int] = None
+    #: The share of each MoE layer's experts kept resident (0.25: a quarter of them, rounded).
+    pool_fraction: Optional[float] = None
     memory_allowance: int = DEFAULT_MEMORY_ALLOWANCE
     #: ``buffered`` reads through the page cache; ``direct`` bypasses it (O_DIRECT / F_NOCACHE).
     io_mode: str = "buffered"
@@ -69,6 +75,10 @@ class StreamingConfig:
     #: At most this many experts submitted per layer / per forward (0: no limit).
     prefetch_layer_budget: int = 0
     prefetch_forward_budget: int = 0
+    #: When the engine checks that the routed experts are resident: "token" runs a forward expected to find
+    #: them all with no per-layer host sync and checks once at its end (a miss reruns it layer by layer);
+    #: "layer" syncs at every MoE layer.
+    miss_check: str = "token"
     #: Measure prediction recall, miss attribution and main-thread timings (costs time; off by default).
     diagnostics: bool = False
 
@@ -80,14 +90,18 @@ class StreamingConfig:
             raise ConfigError("prompt is empty: give some text to start from")
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
+        if self.miss_check not in MISS_CHECKS:
+            raise ConfigError(f"miss_check must be one of {', '.join(MISS_CHECKS)}, got {self.miss_check!r}")
         if self.verify_mode not in VERIFY_MODES:
             raise ConfigError(f"verify_mode must be one of {', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
         if self.k < 2:
             raise ConfigError(f"k (tokens per verify) must be at least 2, got {self.k}")
-        sizing = [n for n in ("pool_slots", "pool_bytes", "memory_budget") if getattr(self, n) is not None]
+        sizing = [n for n in POOL_SIZES if getattr(self, n) is not None]
         if len(sizing) > 1:
             given = ", ".join(f"{n}={getattr(self, n)}" for n in sizing)
-            raise ConfigError(f"set at most one pool size (slots, bytes or memory budget); got {given}")
+            raise ConfigError(f"set at most one pool size (slots, bytes, memory budget or fraction); got {given}")
+        if self.pool_fraction is not None and not 0 < self.pool_fraction <= 1:
+            raise ConfigError(f"pool_fraction must be in (0, 1], got {self.pool_fraction}")
         for name in ("pool_slots", "pool_bytes", "memory_budget"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -107,6 +121,11 @@ class StreamingConfig:
 
     def replace(self, **changes) -> "StreamingConfig":
         return dataclasses.replace(self, **changes)
+
+    def with_pool(self, **size) -> "StreamingConfig":
+        """This config with the pool sized by ``size`` alone (e.g. ``pool_fraction=0.25``; nothing: every
+        expert resident), whatever sized it before."""
+        return self.replace(**{**dict.fromkeys(POOL_SIZES), **size})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "StreamingConfig":
@@ -158,6 +177,7 @@ ENV_NAMES = {
     "POOL_SLOTS": ("pool_slots", int),
     "POOL_BYTES": ("pool_bytes", parse_size),
     "MEMORY_BUDGET": ("memory_budget", parse_size),
+    "POOL_FRACTION": ("pool_fraction", float),
     "IO_MODE": ("io_mode", str),
     "PREFILL_CHUNK": ("prefill_chunk", int),
     "PIN_HOT": ("pin_hot", int),
@@ -171,4 +191,5 @@ ENV_NAMES = {
     "PREFETCH_AHEAD": ("prefetch_ahead", int),
     "PREFETCH_MULT": ("prefetch_mult", int),
     "STAGING_BYTES": ("staging_bytes", parse_size),
+    "MISS_CHECK": ("miss_check", str),
 }

@@ -5,36 +5,28 @@ from __future__ import annotations
 from typing import Collection, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 
-def forward_with_hidden(model, ids: mx.array, cache) -> Tuple[mx.array, mx.array]:
-    """Logits and the final hidden state (after the model's final norm) for ``ids`` of shape [1, L]."""
-    hidden = model.model(ids, cache)
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(hidden), hidden
-    return model.lm_head(hidden), hidden
-
-
-def prefill_chunked(model, prompt_ids: Sequence[int], cache, chunk: int) -> Tuple[mx.array, mx.array]:
-    """Run the prompt ``chunk`` tokens per forward; return the last position's logits and hidden state."""
+def prefill_chunked(model, prompt_ids: Sequence[int], cache, chunk: int) -> mx.array:
+    """Run the prompt ``chunk`` tokens per forward; return the last position's logits."""
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
     for start in range(0, len(prompt_ids), chunk):
-        logits, hidden = forward_with_hidden(model, mx.array([list(prompt_ids[start:start + chunk])]), cache)
-        mx.eval(logits, hidden)
-    return logits[0, -1], hidden[0, -1]
+        logits = model(mx.array([list(prompt_ids[start:start + chunk])]), cache=cache)
+        mx.eval(logits)
+    return logits[0, -1]
 
 
 def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chunk: int = 256) -> Iterator[Tuple[int, mx.array]]:
     """Yield ``(token id, logits it was taken from)`` for each of ``max_tokens`` greedy steps."""
-    cache = model.make_cache()
-    logits, _ = prefill_chunked(model, prompt_ids, cache, prefill_chunk)
+    cache = make_prompt_cache(model)
+    logits = prefill_chunked(model, prompt_ids, cache, prefill_chunk)
     for step in range(max_tokens):
         token = int(mx.argmax(logits))
         yield token, logits
         if step + 1 < max_tokens:
-            logits, _ = forward_with_hidden(model, mx.array([[token]]), cache)
-            logits = logits[0, -1]
+            logits = model(mx.array([[token]]), cache=cache)[0, -1]
             mx.eval(logits)
 
 

@@ -1,9 +1,10 @@
 """build_streaming_model: the mlx-lm model with dense weights resident and experts streamed from disk.
 
 mlx-lm's own loader builds the model with every weight lazy (``mx.load`` reads nothing until evaluated).
-Each MoE block's ``switch_mlp`` is then replaced on this instance by a ``StreamingSwitchGLU`` over the
-store's pool, which drops the lazy expert arrays unread, and only then are the parameters evaluated: the
-dense weights load, the experts never do.
+The adapter finds each MoE block's routed-expert switch module and replaces it, on this instance, by a
+``StreamingSwitch`` over the store's pool, which drops the lazy expert arrays unread; only then are the
+parameters evaluated: the dense weights load, the experts never do. The store is built with every part it
+uses (reader, verifier, prefetcher, predictor); the pool size comes from ``pool_capacity`` alone.
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.utils import load_model, load_tokenizer
 
+from .adapters import qwen3_next
+from .adapters.switch_layers import defer_miss_checks, experts_per_token, expert_sites, install, wrap_layers
 from .cache.store import ExpertStore
 from .cache.verify import ByteVerifier
 from .checkpoint.experts import ExpertIndex
-from .checkpoint.mtp_extract import MTP_FILE, MTP_PREFIX
+from .checkpoint.mtp_extract import MTP_FILE
 from .checkpoint.packed import packed_index
 from .checkpoint.safetensors import read_checkpoint_headers, read_header
 from .config import StreamingConfig, format_size
-from .errors import (CheckpointError, ConfigMismatchError, MissingTensorError, PoolTooSmallError,
+from .errors import (CheckpointError, ConfigError, ConfigMismatchError, MissingTensorError, PoolTooSmallError,
                      UnsupportedModelError)
 from .io.reader import ExpertReader
-from .moe.predict import ExpertPredictor, install_predictor
+from .moe.predict import ExpertPredictor
 from .moe.prefetch import Prefetcher
-from .moe.streaming_switch import StreamingSwitchGLU
+from .moe.streaming_switch import StreamingSwitch
 from .mtp.load import load_mtp
 
 
@@ -53,9 +55,7 @@ class StreamingModel:
         self.store.reset_stats()
 
     def close(self) -> None:
-        if self.store.prefetcher is not None:
-            self.store.prefetcher.close()
-        self.store.reader.close()
+        self.store.close()
 
     def __enter__(self) -> "StreamingModel":
         return self
@@ -72,15 +72,6 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{config_path}: missing; a model folder needs config.json") from None
     except ValueError as exc:
         raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
-
-
-def moe_layer_prefixes(model) -> dict:
-    """``{layer id: switch_mlp tensor prefix}`` for every sparse MoE layer of an mlx-lm Qwen3-Next model."""
-    return {
-        i: f"model.layers.{i}.mlp.switch_mlp"
-        for i, layer in enumerate(model.layers)
-        if isinstance(layer.mlp, Qwen3NextSparseMoeBlock)
-    }
 
 
 def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_bytes: int, moe_layers: int,
@@ -101,6 +92,8 @@ def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_
                 f"{asked} is below the dense weights ({format_size(dense_bytes)}) plus memory_allowance "
                 f"({format_size(config.memory_allowance)}): nothing is left for the expert pool")
         slots = left // layer_bytes
+    elif config.pool_fraction is not None:
+        slots, asked = round(num_experts * config.pool_fraction), f"pool_fraction={config.pool_fraction}"
     else:
         slots, asked = num_experts, "no pool size given"
     if slots < top_k:
@@ -117,52 +110,68 @@ def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_
 
 @dataclass
 class _Checkpoint:
-    """A checkpoint opened lazily: the mlx-lm model (nothing read yet), its MoE blocks by layer id (the MTP
+    """A checkpoint opened lazily: the mlx-lm model (nothing read yet), its expert sites by layer id (the MTP
     head's under ``num_hidden_layers``), the head, and the index of every expert."""
 
     model: object
     model_config: dict
-    blocks: dict
+    sites: dict
     head: Optional[object]
     index: ExpertIndex
     dense_bytes: int
 
 
-#: The ``model_type`` values whose MoE blocks the engine streams.
-SUPPORTED_MODEL_TYPES = ("qwen3_next",)
+def _load_lazily(path: Path, model_config: dict):
+    """mlx-lm's own model for ``path``, every weight lazy (nothing read yet), with errors in one line."""
+    model_type = model_config.get("model_type")
+    try:
+        return load_model(path, lazy=True, strict=True)[0]
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        try:
+            skeleton = load_model(path, lazy=True, strict=False)[0]
+        except (ValueError, KeyError, TypeError, AttributeError) as inner:
+            raise UnsupportedModelError(
+                f"{path / 'config.json'}: model_type {model_type!r} cannot be built by mlx-lm ({inner}); "
+                f"mlx-streaming streams {SUPPORTED}") from None
+        if not expert_sites(skeleton):
+            raise _not_moe(path, model_type) from None
+        kind = MissingTensorError if "Missing" in first else ConfigMismatchError
+        raise kind(f"{path}: the shards do not match config.json: {first[:300]}") from None
+
+
+SUPPORTED = ("MoE models whose routed experts are mlx-lm switch_layers modules (SwitchGLU / SwitchMLP), "
+             "e.g. qwen3_next, qwen3_moe, mixtral, deepseek_v3, gpt_oss, glm4_moe; see the README's table")
+
+
+def _not_moe(path: Path, model_type) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{path / 'config.json'}: model_type {model_type!r} has no routed experts to "
+                                 f"stream; mlx-streaming streams {SUPPORTED}")
 
 
 def open_checkpoint(path: Path, config: StreamingConfig) -> _Checkpoint:
+    path = Path(path)
     model_config = read_config(path)
-    model_type = model_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"{Path(path) / 'config.json'}: model_type {model_type!r} is not supported; "
-            f"mlx-streaming streams the experts of: {', '.join(SUPPORTED_MODEL_TYPES)}")
     tensors = read_checkpoint_headers(path)
-    try:
-        model, model_config = load_model(path, lazy=True, strict=True)
-    except ValueError as exc:
-        text = str(exc)
-        kind = MissingTensorError if "Missing" in text else ConfigMismatchError
-        raise kind(f"{path}: the shards do not match config.json: {text}") from None
-
-    prefixes = moe_layer_prefixes(model)
-    blocks = {i: model.layers[i].mlp for i in prefixes}
+    model = _load_lazily(path, model_config)
+    sites = expert_sites(model)
+    if not sites:
+        raise _not_moe(path, model_config.get("model_type"))
     head = None
     if config.mtp:
+        if model_config.get("model_type") != qwen3_next.MODEL_TYPE:
+            raise ConfigError(f"mtp: MTP speculation uses Qwen3-Next's MTP head; model_type "
+                              f"{model_config.get('model_type')!r} has none here")
         mtp_path = Path(config.mtp_path) if config.mtp_path else path / MTP_FILE
         head = load_mtp(model_config, mtp_path, lazy=True)
         tensors.update(read_header(mtp_path))
-        mtp_layer = model_config["num_hidden_layers"]
-        prefixes[mtp_layer] = f"{MTP_PREFIX}.switch_mlp"
-        blocks[mtp_layer] = head.layers[0].mlp
-    index = ExpertIndex(tensors, prefixes, model_config)
+        sites.update(qwen3_next.mtp_sites(head, model_config["num_hidden_layers"]))
+    index = ExpertIndex(tensors, {i: (site.prefix, site.tensor_names()) for i, site in sites.items()})
     expert_names = set(index.expert_tensor_names())
     dense_bytes = sum(t.nbytes for name, t in tensors.items() if name not in expert_names)
     if config.packed_dir:
         index = packed_index(index, Path(config.packed_dir))
-    return _Checkpoint(model, model_config, blocks, head, index, dense_bytes)
+    return _Checkpoint(model, model_config, sites, head, index, dense_bytes)
 
 
 def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader: Optional[ExpertReader] = None) -> StreamingModel:
@@ -171,33 +180,31 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     config = config or StreamingConfig()
     ckpt = open_checkpoint(path, config)
     index, model_config = ckpt.index, ckpt.model_config
-    capacity, pool_note = pool_capacity(config, index.num_experts, model_config["num_experts_per_tok"],
-                                        index.expert_bytes, len(ckpt.blocks), ckpt.dense_bytes)
-    store = ExpertStore(index, reader or ExpertReader(config.io_mode), capacity, model_config["num_experts_per_tok"], config.record)
-    if config.verify:
-        store.verifier = ByteVerifier(index)
-    for i, block in ckpt.blocks.items():
-        block.switch_mlp = StreamingSwitchGLU(block.switch_mlp, i, store)
-    mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
+    top_k = experts_per_token(model_config)
+    capacity, pool_note = pool_capacity(config, index.num_experts, top_k, index.expert_bytes, len(ckpt.sites),
+                                        ckpt.dense_bytes)
+    reader = reader or ExpertReader(config.io_mode)
+    main_sites = {i: site for i, site in ckpt.sites.items() if ckpt.head is None or i < model_config["num_hidden_layers"]}
+    prefetcher = predictor = None
     if config.prefetch:
-        attach_prefetch(ckpt.model, store, config)
+        prefetcher = Prefetcher(index, reader, config.staging_bytes, config.prefetch_threads)
+        predictor = ExpertPredictor(main_sites, index.num_experts, top_k, ahead=config.prefetch_ahead,
+                                    mult=config.prefetch_mult, layer_budget=config.prefetch_layer_budget,
+                                    forward_budget=config.prefetch_forward_budget, diagnostics=config.diagnostics)
+    store = ExpertStore(index, reader, capacity, top_k, config.record, verifier=ByteVerifier(index) if config.verify else None,
+                        prefetcher=prefetcher, predictor=predictor, miss_check=config.miss_check)
+    install(ckpt.sites, store.pools, lambda site: StreamingSwitch(site.switch, site.layer, store))
+    mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
+    if predictor is not None:
+        wrap_layers(ckpt.model, main_sites, store.before_layer)
+    defer_miss_checks(ckpt.model, main_sites, store)
+    if ckpt.head is not None:
+        qwen3_next.install_state_capture(ckpt.model)
     sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, ckpt.dense_bytes,
                         pool_note, ckpt.head)
     if config.pin_hot:
         pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
     return sm
-
-
-def attach_prefetch(model, store: ExpertStore, config: StreamingConfig) -> None:
-    """Start the prefetcher and wrap the main model's decoder layers with the expert predictor."""
-    layers = [layer for layer in store.index.layers if layer < len(model.layers)]
-    store.prefetcher = Prefetcher(store.index, store.reader, config.staging_bytes, config.prefetch_threads)
-    store.predictor = ExpertPredictor(
-        store, store.prefetcher, {i: model.layers[i].mlp for i in layers},
-        {i: model.layers[i].post_attention_layernorm for i in layers}, ahead=config.prefetch_ahead,
-        mult=config.prefetch_mult, layer_budget=config.prefetch_layer_budget,
-        forward_budget=config.prefetch_forward_budget, diagnostics=config.diagnostics)
-    install_predictor(model, store.predictor)
 
 
 def pin_hot_experts(sm: StreamingModel, n: int, calibration_tokens: int) -> None:

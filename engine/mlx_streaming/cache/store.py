@@ -33,12 +33,19 @@ class ExpertStore:
     #: grouped: layer calls that needed more experts than fit and ran in groups.
     #: demand_bytes: bytes of demand reads; read_s: seconds spent in them (demand_bytes / read_s is the
     #: engine's demand-load rate). ``stats()["bytes_read"]`` is every byte read from disk, prefetch included.
+    #: host_syncs: the engine's own waits for the device on the forward path (routes brought to the host,
+    #: one per MoE layer call, or one per forward when the miss check is deferred); sync_s: seconds in them.
+    #: deferred_forwards / deferred_retries: forwards run with the deferred miss check / of those, rerun
+    #: layer by layer because a routed expert was not resident.
     #: misses: experts not resident at acquire; prefetched: of those, placed from the prefetcher's staging
     #: (the rest were demand-loaded on the main thread); place_s: seconds placing bytes into the pool.
     COUNTERS = ("hits", "misses", "prefetched", "evictions", "demand_bytes", "read_s", "place_s", "fastpath",
-                "fallback", "grouped")
+                "fallback", "grouped", "host_syncs", "sync_s", "deferred_forwards", "deferred_retries")
 
-    def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False):
+    def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
+                 verifier=None, prefetcher=None, predictor=None, miss_check: str = "token"):
+        """``verifier`` (a ByteVerifier) checks every expert placed; ``prefetcher`` and ``predictor`` (both or
+        neither) read predicted experts in the background: the store is built with every part it uses."""
         if capacity < top_k:
             raise PoolTooSmallError(
                 f"pool_slots={capacity} is below num_experts_per_tok={top_k}: one token needs {top_k} experts resident"
@@ -58,11 +65,14 @@ class ExpertStore:
         #: When a list, every layer call appends (layer, tokens in the call, distinct experts routed): the
         #: union-of-experts profile. Off (None) unless asked for.
         self.union_log = None
-        #: A ByteVerifier when byte-truth verification is on: every expert placed is checked against disk.
-        self.verifier = None
-        #: The background prefetcher and the expert predictor, when prefetching is on.
-        self.prefetcher = None
-        self.predictor = None
+        self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
+        self.miss_check = miss_check
+        #: Per layer, expert id -> slot on the device (non-resident experts point at slot 0); None when stale.
+        self._tables: Dict[int, mx.array] = dict.fromkeys(index.layers)
+        self.deferring = False
+        self._deferred: List[tuple] = []
+        self._defer_wait = 0  # forwards to run layer by layer before deferring again
+        self._defer_backoff = 1
         self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
         self.reset_stats()
 
@@ -90,6 +100,76 @@ class ExpertStore:
                              for k, v in self.prefetcher.stats().items()})
         return counters
 
+    def to_host(self, array: mx.array) -> np.ndarray:
+        """``array`` on the host: one counted, timed wait for the device."""
+        start = time.perf_counter()
+        host = np.array(array)
+        self.host_syncs += 1
+        self.sync_s += time.perf_counter() - start
+        return host
+
+    def _eval(self, arrays) -> None:
+        """``mx.eval(arrays)``: one counted, timed wait for the device."""
+        start = time.perf_counter()
+        mx.eval(arrays)
+        self.host_syncs += 1
+        self.sync_s += time.perf_counter() - start
+
+    def route(self, layer: int, routed: np.ndarray) -> List[int]:
+        """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts."""
+        experts = [int(e) for e in np.unique(routed)]
+        if self.union_log is not None:
+            self.union_log.append((layer, routed.size // routed.shape[-1], len(experts)))
+        policy = self.policies[layer]
+        if all(policy.slot(e) is not None for e in experts):
+            self.fastpath += 1
+        else:
+            self.fallback += 1
+        return experts
+
+    # ------------------------------------------------------------ the deferred miss check
+
+    def begin_forward(self, tokens: int) -> bool:
+        """Whether the forward about to run on ``tokens`` tokens defers its miss check: ``miss_check`` is
+        "token", the call is short, and the last deferred forwards found their experts (after a retry the
+        store waits 1, 2, 4 ... forwards, up to 64, before deferring again)."""
+        if self.miss_check != "token" or tokens > 16 or self.deferring:
+            return False
+        if self._defer_wait:
+            self._defer_wait -= 1
+            return False
+        self.deferring, self._deferred = True, []
+        self.deferred_forwards += 1
+        return True
+
+    def defer(self, layer: int, indices: mx.array) -> mx.array:
+        """Slots for ``indices`` from the device-side table; the routes are kept for ``end_forward``."""
+        if self._tables[layer] is None:
+            policy = self.policies[layer]
+            self._tables[layer] = mx.array([policy.slot(e) or 0 for e in range(self.index.num_experts)], dtype=mx.int32)
+        self._deferred.append((layer, indices))
+        return self._tables[layer][indices]
+
+    def end_forward(self, output: mx.array) -> bool:
+        """Evaluate the deferred forward's ``output`` and routes (one sync); when every routed expert was
+        resident account them as the layer-by-layer path would and return True; else change nothing and
+        return False (the caller restores its caches and runs the forward again, layer by layer)."""
+        routes, self._deferred, self.deferring = self._deferred, [], False
+        start = time.perf_counter()
+        mx.eval(output, [indices for _, indices in routes])
+        hosted = [(layer, np.array(indices)) for layer, indices in routes]
+        self.host_syncs += 1
+        self.sync_s += time.perf_counter() - start
+        if any(self.policies[layer].slot(int(e)) is None for layer, routed in hosted for e in np.unique(routed)):
+            self.deferred_retries += 1
+            self._defer_wait, self._defer_backoff = self._defer_backoff, min(64, 2 * self._defer_backoff)
+            return False
+        self._defer_backoff = 1
+        for layer, routed in hosted:
+            self.acquire(layer, self.route(layer, routed))
+            self.layer_done(layer)
+        return True
+
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
         """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
         policy = self.policies[layer]
@@ -103,7 +183,7 @@ class ExpertStore:
         if self.record:
             self._routed[layer][list(experts)] += 1
         if self.predictor is not None:
-            self.predictor.account(layer, experts, {e for e in experts if e not in missing})
+            self.predictor.account(layer, experts, {e for e in experts if e not in missing}, self.prefetcher.state)
         self.hits += len(experts) - len(missing)
         for e in experts:
             policy.touch(e)
@@ -144,13 +224,37 @@ class ExpertStore:
             for s, buf in zip(slices[expert], staged[expert]):
                 pool[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
             placed.append((expert, slot))
-        mx.eval(list(pool.values()))
+        self._tables[layer] = None
+        self._eval(list(pool.values()))
         self.place_s += time.perf_counter() - start
         self.misses += len(experts)
         self.prefetched += len(experts) - len(demand)
         if self.verifier is not None:
             for expert, slot in placed:
                 self.verifier.check(layer, expert, pool, slot)
+
+    def close(self) -> None:
+        """Stop the prefetcher's threads and close the reader's files."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.reader.close()
+
+    def before_layer(self, layer: int, x) -> None:
+        """Decoder layer ``layer`` is about to run on ``x``: submit the predicted experts not resident (not in
+        a forward that defers its miss check: it expects every expert resident, and predicting would sync)."""
+        if self.deferring:
+            return
+        if layer == 0:
+            self.predictor.start_forward(x.shape[1])
+        plan = self.predictor.predict(layer, x, self.to_host)
+        if plan is None:
+            return
+        target, ranked = plan
+        start = time.perf_counter()
+        policy = self.policies[target]
+        missing = self.predictor.within_budget([e for e in ranked if policy.slot(e) is None])
+        accepted = self.prefetcher.submit(target, missing)
+        self.predictor.submitted(target, missing, accepted, time.perf_counter() - start)
 
     def layer_done(self, layer: int) -> None:
         """``layer``'s MoE block has its experts: what is still staged for it is stale."""

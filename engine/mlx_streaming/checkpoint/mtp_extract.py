@@ -74,7 +74,8 @@ def extract_mtp(hf_dir: Path, out_file: Path, bits: int = BITS) -> Path:
     with fresh_file(out_file, "extract-mtp") as partial:
         mx.save_safetensors(str(partial), weights, metadata=writer_metadata("extract-mtp"))
     out_file = Path(out_file).absolute()
-    quantized = {**config, "quantization": {"bits": bits, "group_size": 64}}
-    index = ExpertIndex(read_header(out_file), {args.num_hidden_layers: f"{MTP_PREFIX}.switch_mlp"}, quantized)
-    write_manifest(index, out_file.parent, "extract-mtp")
+    tensors = read_header(out_file)
+    switch = f"{MTP_PREFIX}.switch_mlp."
+    names = [name.removeprefix(switch) for name in tensors if name.startswith(switch)]
+    write_manifest(ExpertIndex(tensors, {args.num_hidden_layers: (switch[:-1], names)}), out_file.parent, "extract-mtp")
     return out_file

@@ -1,6 +1,6 @@
-"""The packed expert layout: per MoE layer one file in which each expert's 9 tensors lie back to back in
-one 4096-aligned record, so one read fetches a whole expert (the MLX layout needs nine, one per stacked
-tensor). ``packed_index.json`` says where each tensor sits inside a record; dense weights stay where they are.
+"""The packed expert layout: per MoE layer one file in which each expert's tensors lie back to back in
+one 4096-aligned record, so one read fetches a whole expert (the MLX layout needs one per stacked tensor,
+nine for a quantized SwitchGLU). ``packed_index.json`` says where each tensor sits inside a record; dense weights stay where they are.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ..errors import CheckpointError
 from ..io.native import ALIGN
-from .experts import TENSOR_NAMES, ExpertIndex
+from .experts import ExpertIndex
 from .manifest import write_manifest
 from .output import fresh_folder
 
@@ -23,7 +23,7 @@ INDEX_FILE = "packed_index.json"
 def _record_layout(index: ExpertIndex) -> Tuple[Dict[str, int], int]:
     """Offset of each tensor inside an expert record, and the record's aligned size."""
     offsets, at = {}, 0
-    for name in TENSOR_NAMES:
+    for name in index.tensor_names:
         offsets[name] = at
         at += index.tensor_nbytes[name]
     return offsets, -(-at // ALIGN) * ALIGN
@@ -54,7 +54,7 @@ def _write(index: ExpertIndex, out_dir: Path) -> None:
         layers[str(layer)] = name
     meta = {"align": ALIGN, "record_bytes": record, "num_experts": index.num_experts,
             "tensors": {n: {"offset": offsets[n], "nbytes": index.tensor_nbytes[n], "dtype": index.tensor_specs[n][0],
-                            "shape": list(index.tensor_specs[n][1])} for n in TENSOR_NAMES},
+                            "shape": list(index.tensor_specs[n][1])} for n in index.tensor_names},
             "layers": layers}
     (out_dir / INDEX_FILE).write_text(json.dumps(meta, indent=2))
 
@@ -68,7 +68,10 @@ def packed_index(index: ExpertIndex, packed_dir: Path) -> ExpertIndex:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; make it with `mlx-streaming repack`") from None
     _, record = _record_layout(index)
-    for name in TENSOR_NAMES:
+    if sorted(meta["tensors"]) != sorted(index.tensor_names):
+        raise CheckpointError(f"{path}: packs tensors {sorted(meta['tensors'])}, the checkpoint's experts have "
+                              f"{sorted(index.tensor_names)}")
+    for name in index.tensor_names:
         t = meta["tensors"][name]
         if (t["nbytes"], t["dtype"], tuple(t["shape"])) != (index.tensor_nbytes[name], *index.tensor_specs[name]):
             raise CheckpointError(f"{path}: tensor {name} is {t}, the checkpoint's is {index.tensor_specs[name]}")
@@ -79,5 +82,5 @@ def packed_index(index: ExpertIndex, packed_dir: Path) -> ExpertIndex:
         file = packed_dir / meta["layers"].get(str(layer), "")
         if not file.is_file() or file.stat().st_size < record * index.num_experts:
             raise CheckpointError(f"{file}: packed experts of layer {layer} missing or truncated")
-        placement[layer] = {n: (file, meta["tensors"][n]["offset"], record) for n in TENSOR_NAMES}
+        placement[layer] = {n: (file, meta["tensors"][n]["offset"], record) for n in index.tensor_names}
     return index.relocated(placement)

@@ -1,11 +1,10 @@
-"""Cross-layer expert prediction: a wrapper around each decoder layer submits likely experts early.
+"""Cross-layer expert prediction: from a decoder layer's input, the likely experts of this or the next MoE layer.
 
-Before a layer's attention / Gated-DeltaNet runs, ``PredictingLayer`` applies the target layer's
-``post_attention_layernorm`` and router ``gate`` to the layer input and takes each token's top
-``top_k * mult`` experts; the target is this layer (``ahead`` 0) or the next (``ahead`` 1). Those not
-resident are submitted to the prefetcher, whose threads read them while the layer computes. Budgets cap
-the experts submitted per layer and per forward. The wrapper is composition on the built instance (the
-model's ``layers`` list holds wrappers), so no mlx-lm class is changed.
+Before a layer's attention (or recurrent mixer) runs, the store asks the predictor for the experts of the
+MoE layer ``ahead`` sites on (0: this layer's own, 1: the next one's): the adapter runs that site's own
+router on its pre-MoE norm of the layer input and takes each token's top ``top_k * mult``. The store
+submits the ones not resident to the prefetcher, whose threads read them while the layer computes. Budgets
+cap the experts submitted per layer and per forward.
 
 ``PredictDiagnostics`` (off unless asked for) measures what the prediction was worth: recall (predicted
 and routed / routed), why routed experts were not resident at acquire (A: predicted but the read had not
@@ -16,12 +15,11 @@ finished, or evicted since; B: not predicted), main-thread time in predict and s
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
+from ..adapters.switch_layers import ExpertSite, predict_experts
 
 
 class PredictDiagnostics:
@@ -53,14 +51,16 @@ class PredictDiagnostics:
 
 
 class ExpertPredictor:
-    """Owns the predictions of the forward in flight and turns them into prefetch requests."""
+    """Predicts each MoE site's experts and remembers what it predicted and submitted, for the budgets and
+    the diagnostics. It reads no bytes and holds no pool: the store acts on its predictions."""
 
-    def __init__(self, store, prefetcher, moe_blocks: Dict[int, nn.Module], norms: Dict[int, nn.Module],
-                 ahead: int = 1, mult: int = 1, layer_budget: int = 0, forward_budget: int = 0,
-                 diagnostics: bool = False):
-        self.store, self.prefetcher = store, prefetcher
-        self.blocks, self.norms = moe_blocks, norms
-        self.ahead, self.mult = ahead, mult
+    def __init__(self, sites: Dict[int, ExpertSite], num_experts: int, top_k: int, ahead: int = 1, mult: int = 1,
+                 layer_budget: int = 0, forward_budget: int = 0, diagnostics: bool = False):
+        self.sites, self.num_experts = sites, num_experts
+        order = sorted(sites)
+        #: decoder layer index -> the MoE layer its input predicts (this one's own, or the next one's)
+        self.targets = {layer: order[order.index(layer) + ahead] for layer in order if order.index(layer) + ahead < len(order)}
+        self.k = top_k * mult
         self.layer_budget, self.forward_budget = layer_budget, forward_budget
         self.diagnostics = PredictDiagnostics() if diagnostics else None
         self._predicted: Dict[int, tuple] = {}  # target layer -> (predicted, submitted, submit time)
@@ -72,34 +72,41 @@ class ExpertPredictor:
         self._forward_submitted = 0
         self._decode = tokens == 1
 
-    def predict(self, layer: int, x: mx.array) -> None:
-        """From ``layer``'s input, predict the experts of ``layer + ahead`` and submit the missing ones."""
-        target = layer + self.ahead
-        if target not in self.blocks:
-            return
+    def predict(self, layer: int, x, to_host) -> Optional[Tuple[int, List[int]]]:
+        """(target MoE layer, its likely experts, most tokens first) from decoder layer ``layer``'s input;
+        ``to_host`` brings the prediction to the host (the store counts that sync)."""
+        target = self.targets.get(layer)
+        if target is None:
+            return None
         t0 = time.perf_counter()
-        block = self.blocks[target]
-        logits = block.gate(self.norms[target](x))
-        k = min(block.top_k * self.mult, logits.shape[-1])
-        top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-        counts = np.bincount(np.array(top).reshape(-1), minlength=logits.shape[-1])
+        top = predict_experts(self.sites[target], x, self.k)
+        if top is None:
+            return None
+        counts = np.bincount(to_host(top).reshape(-1), minlength=self.num_experts)[: self.num_experts]
         ranked = [int(e) for e in np.argsort(-counts, kind="stable") if counts[e] > 0]
         if self.layer_budget:
             ranked = ranked[: self.layer_budget]
-        t1 = time.perf_counter()
-        policy = self.store.policies[target]
-        missing = [e for e in ranked if policy.slot(e) is None]
-        if self.forward_budget:
-            missing = missing[: max(0, self.forward_budget - self._forward_submitted)]
-        self._forward_submitted += self.prefetcher.submit(target, missing)
-        t2 = time.perf_counter()
-        self._predicted[target] = (set(ranked), set(missing), t2)
         if self.diagnostics is not None:
-            self.diagnostics.predict_s += t1 - t0
-            self.diagnostics.submit_s += t2 - t1
+            self.diagnostics.predict_s += time.perf_counter() - t0
+        self._predicted[target] = (set(ranked), set(), None)
+        return target, ranked
 
-    def account(self, layer: int, experts, resident: Set[int]) -> None:
-        """Diagnostics of one acquire: ``experts`` routed, ``resident`` the ones already in the pool."""
+    def within_budget(self, missing: Sequence[int]) -> List[int]:
+        """The part of ``missing`` the per-forward budget still allows."""
+        if self.forward_budget:
+            return list(missing[: max(0, self.forward_budget - self._forward_submitted)])
+        return list(missing)
+
+    def submitted(self, target: int, missing: Sequence[int], accepted: int, seconds: float) -> None:
+        self._forward_submitted += accepted
+        predicted = self._predicted[target][0]
+        self._predicted[target] = (predicted, set(missing), time.perf_counter())
+        if self.diagnostics is not None:
+            self.diagnostics.submit_s += seconds
+
+    def account(self, layer: int, experts, resident: Set[int], prefetch_state) -> None:
+        """Diagnostics of one acquire: ``experts`` routed, ``resident`` the ones already in the pool;
+        ``prefetch_state(layer, expert)`` says where a submitted read is."""
         if self.diagnostics is None:
             return
         predicted, submitted, submitted_at = self._predicted.get(layer, (set(), set(), None))
@@ -116,38 +123,8 @@ class ExpertPredictor:
                 counts["b_not_predicted"] += 1
             elif e not in submitted:
                 counts["a_evicted"] += 1  # resident when predicted, gone by the acquire
-            elif self.prefetcher.state(layer, e) == "ready":
+            elif prefetch_state(layer, e) == "ready":
                 counts["prefetch_served"] += 1
             else:
                 counts["a_not_finished"] += 1  # queued or still being read (or dropped over budget)
         self.diagnostics.add(self._decode, **counts)
-
-
-class PredictingLayer(nn.Module):
-    """A decoder layer that asks the predictor first; everything else is the wrapped layer's."""
-
-    def __init__(self, layer: nn.Module, index: int, predictor: ExpertPredictor, first: bool):
-        super().__init__()
-        self.layer = layer
-        self.index = index
-        self.is_linear = layer.is_linear
-        self._predictor = predictor
-        self._first = first
-
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        if self._first:
-            self._predictor.start_forward(x.shape[1])
-        self._predictor.predict(self.index, x)
-        return self.layer(x, mask=mask, cache=cache)
-
-
-def unwrap(layer: nn.Module) -> nn.Module:
-    """The decoder layer itself, whether or not a ``PredictingLayer`` wraps it."""
-    return layer.layer if isinstance(layer, PredictingLayer) else layer
-
-
-def install_predictor(model, predictor: ExpertPredictor) -> None:
-    """Wrap each decoder layer of ``model`` (an mlx-lm Qwen3-Next) in a ``PredictingLayer``."""
-    layers = model.model.layers  # ``model.layers`` is a slice of it (a copy)
-    for i, layer in enumerate(layers):
-        layers[i] = PredictingLayer(layer, i, predictor, first=i == 0)

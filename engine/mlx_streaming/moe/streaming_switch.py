@@ -1,11 +1,13 @@
-"""StreamingSwitchGLU: stands in for a MoE block's ``switch_mlp``, computing over the resident pool.
+"""StreamingSwitch: stands in for a MoE block's switch module, computing over the resident pool.
 
-The mlx-lm MoE block keeps its own routing code (gate, softmax, top-k, score normalisation, shared
-expert); only its ``switch_mlp`` is replaced, on the built model instance. The replacement acquires the
-routed experts from the store and runs mlx-lm's own quantized ``SwitchGLU`` (the original module, its
-arrays swapped for the pool's) with expert ids remapped to slot ids, so the arithmetic is the in-memory
-model's. A call that routes to more distinct experts than fit (a long prefill with a small pool) runs in
-expert groups that fit, each evaluated before the next may evict its experts.
+The mlx-lm MoE block keeps its own routing code (gate, softmax or sigmoid, top-k, score normalisation,
+shared expert); only its ``SwitchGLU`` / ``SwitchMLP`` is replaced, on the built model instance (by the
+adapter). The replacement acquires the routed experts from the store and runs mlx-lm's own switch module
+(the original, its expert arrays swapped for the pool's) with expert ids remapped to slot ids, so the
+arithmetic is the in-memory model's. A call that routes to more distinct experts than fit (a long prefill with a small pool) runs in
+expert groups that fit, each evaluated before the next may evict its experts. While the store defers its
+miss check (a forward expected to find every routed expert resident), the switch reads slots from the
+store's device-side table instead, with no host sync; the store checks the routes once the forward is done.
 """
 
 from __future__ import annotations
@@ -13,36 +15,25 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache.store import ExpertStore
-from ..checkpoint.experts import PARTS, PROJS
 
 
-class StreamingSwitchGLU(nn.Module):
-    def __init__(self, switch_mlp: SwitchGLU, layer: int, store: ExpertStore):
+class StreamingSwitch(nn.Module):
+    def __init__(self, switch: nn.Module, layer: int, store: ExpertStore):
+        """``switch``: mlx-lm's switch module, its expert arrays already the store's pool arrays of ``layer``."""
         super().__init__()
-        pool = store.pools[layer]
-        for proj in PROJS:
-            linear = getattr(switch_mlp, proj)
-            for part in PARTS:
-                setattr(linear, part, pool[f"{proj}.{part}"])
-        self.pool_mlp = switch_mlp
+        self.pool_mlp = switch
         self.layer = layer
         self._store = store
         self._slot_of = np.zeros(store.index.num_experts, dtype=np.int32)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, layer = self._store, self.layer
-        routed = np.array(indices)
-        experts = [int(e) for e in np.unique(routed)]
-        if store.union_log is not None:
-            store.union_log.append((layer, routed.size // routed.shape[-1], len(experts)))
-        policy = store.policies[layer]
-        if all(policy.slot(e) is not None for e in experts):
-            store.fastpath += 1
-        else:
-            store.fallback += 1
+        if store.deferring:  # no sync here: slots come from the device-side table, misses are checked per token
+            return self.pool_mlp(x, store.defer(layer, indices))
+        routed = store.to_host(indices)
+        experts = store.route(layer, routed)
         groups = store.groups(layer, experts)
         if len(groups) == 1:
             self._slot_of[experts] = store.acquire(layer, experts)

@@ -14,6 +14,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from ..adapters.qwen3_next import embed, logits_from_hidden
+
 
 class MTPDrafter:
     def __init__(self, mtp, model):
@@ -23,14 +25,9 @@ class MTPDrafter:
         self._last = None
 
     def _step(self, tokens: Sequence[int], hidden: mx.array) -> mx.array:
-        embeddings = self.model.model.embed_tokens(mx.array([list(tokens)]))
+        embeddings = embed(self.model, tokens)
         mask = create_attention_mask(embeddings, self.cache)
         return self.mtp(embeddings, hidden, mask=mask, cache=self.cache)
-
-    def _logits(self, h: mx.array) -> mx.array:
-        if self.model.args.tie_word_embeddings:
-            return self.model.model.embed_tokens.as_linear(h)
-        return self.model.lm_head(h)
 
     def extend(self, next_tokens: Sequence[int], hiddens: mx.array) -> None:
         """Feed ``(next_tokens[i], hiddens[:, i])`` for consecutive committed positions."""
@@ -44,7 +41,7 @@ class MTPDrafter:
         h = self._last
         drafts = []
         for i in range(n):
-            token = int(mx.argmax(self._logits(h)[0, -1]))
+            token = int(mx.argmax(logits_from_hidden(self.model, h)[0, -1]))
             drafts.append(token)
             if i + 1 < n:
                 h = self._step([token], h)

@@ -5,7 +5,8 @@ them; the accepted drafts plus the main model's next token (the bonus) are commi
 plain greedy decoding. Full-attention KV caches are trimmed. Gated-DeltaNet state cannot be trimmed, so:
 
 - ``direct``: during the verify each Gated-DeltaNet layer keeps its conv window and recurrent state after
-  every position (its recurrence is sequential anyway; ``StateCapture`` steps it position by position) and
+  every position (its recurrence is sequential anyway; the adapter's ``StateCapture``, installed at build,
+  steps it position by position) and
   the commit installs the state at the last accepted position; nothing is replayed.
 - ``replay``: the Gated-DeltaNet state is snapshotted before the verify; after a partial accept it is
   restored and the accepted tokens are run again.
@@ -18,45 +19,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import make_prompt_cache
 
+from ..adapters.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
 from ..config import VERIFY_MODES
-from ..generate import forward_with_hidden
-from ..moe.predict import unwrap
 
 PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", "finalize")
-
-
-class StateCapture(nn.Module):
-    """Wraps one Gated-DeltaNet layer; while ``capturing``, a multi-token call runs position by position and
-    keeps the cache state after each one in ``states``."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.capturing = False
-        self.states: List[list] = []
-
-    def __call__(self, x, mask=None, cache=None):
-        if not self.capturing or cache is None:
-            return self.inner(x, mask, cache)
-        outputs, self.states = [], []
-        for i in range(x.shape[1]):
-            outputs.append(self.inner(x[:, i:i + 1], None if mask is None else mask[:, i:i + 1], cache))
-            self.states.append(list(cache.cache))
-        return mx.concatenate(outputs, axis=1)
-
-
-def state_captures(model) -> List[StateCapture]:
-    """Wrap every Gated-DeltaNet layer of ``model`` once (composition on this instance) and return the wrappers."""
-    captures = []
-    for layer in map(unwrap, model.layers):
-        if layer.is_linear:
-            if not isinstance(layer.linear_attn, StateCapture):
-                layer.linear_attn = StateCapture(layer.linear_attn)
-            captures.append(layer.linear_attn)
-    return captures
 
 
 @dataclass
@@ -99,14 +67,6 @@ class _Clock:
         self.t = now
 
 
-def _kv_caches(cache) -> list:
-    return [c for c in cache if not isinstance(c, ArraysCache)]
-
-
-def _gdn_caches(cache) -> list:
-    return [c for c in cache if isinstance(c, ArraysCache)]
-
-
 def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: int = 3,
                  verify_mode: str = "direct", prefill_chunk: int = 256) -> Tuple[List[int], dict]:
     """``max_tokens`` ids equal to greedy decoding's, and the run's statistics."""
@@ -117,7 +77,7 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
     stats = SpecStats(verify_mode, K)
     clock = _Clock(stats.times)
     captures = state_captures(model) if verify_mode == "direct" else []
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
 
     hiddens = []
     for start in range(0, len(prompt_ids), prefill_chunk):
@@ -132,7 +92,7 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
     while len(out) < max_tokens:
         drafts = drafter.propose(K - 1)
         clock.lap("draft")
-        snapshot = [list(c.cache) for c in _gdn_caches(cache)] if verify_mode == "replay" else None
+        snapshot = [list(c.cache) for c in recurrent_caches(cache)] if verify_mode == "replay" else None
         clock.lap("snapshot")
         for c in captures:
             c.capturing = True
@@ -153,16 +113,16 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
         if a == K - 1:
             stats.full_accepts += 1
         elif verify_mode == "direct":
-            for c in _kv_caches(cache):
+            for c in attention_caches(cache):
                 c.trim(K - 1 - a)
-            for capture, c in zip(captures, _gdn_caches(cache)):
+            for capture, c in zip(captures, recurrent_caches(cache)):
                 c.cache = list(capture.states[a])
             stats.direct_commits += 1
             clock.lap("commit")
         else:
-            for c in _kv_caches(cache):
+            for c in attention_caches(cache):
                 c.trim(K)
-            for saved, c in zip(snapshot, _gdn_caches(cache)):
+            for saved, c in zip(snapshot, recurrent_caches(cache)):
                 c.cache = saved
             clock.lap("commit")
             _, replayed = forward_with_hidden(model, mx.array([[x] + drafts[:a]]), cache)

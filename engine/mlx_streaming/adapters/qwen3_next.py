@@ -1,0 +1,88 @@
+"""What MTP speculation assumes about mlx-lm's Qwen3-Next model tree, beyond the generic expert sites.
+
+- The MTP head is one more expert site (layer id ``num_hidden_layers``, tensors under ``mtp.``).
+- Hidden states and logits: ``model.model`` gives the final hidden state (after the final norm), then
+  ``lm_head`` (or the tied embedding) gives logits; the drafter embeds with ``model.model.embed_tokens``.
+- Gated-DeltaNet state cannot be trimmed after a partial accept. For the direct commit, ``install_state_capture``
+  wraps every Gated-DeltaNet mixer (``layer.linear_attn`` of layers with ``is_linear``) once, at build, in a
+  ``StateCapture`` that, while capturing, steps a multi-token call position by position and keeps the
+  state after each; its caches are mlx-lm's ``ArraysCache`` and the attention caches are trimmable.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+from .switch_layers import ExpertSite, expert_sites, unwrap
+
+MODEL_TYPE = "qwen3_next"
+
+
+def mtp_sites(head: nn.Module, num_hidden_layers: int) -> Dict[int, ExpertSite]:
+    """The MTP head's expert site, as layer id ``num_hidden_layers`` (its tensors are ``mtp.``-prefixed)."""
+    return expert_sites(head, prefix="mtp.", layer_id=num_hidden_layers)
+
+
+def forward_with_hidden(model, ids: mx.array, cache) -> Tuple[mx.array, mx.array]:
+    """Logits and the final hidden state (after the model's final norm) for ``ids`` of shape [1, L]."""
+    hidden = model.model(ids, cache)
+    return logits_from_hidden(model, hidden), hidden
+
+
+def logits_from_hidden(model, hidden: mx.array) -> mx.array:
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)
+
+
+def embed(model, tokens: Sequence[int]) -> mx.array:
+    return model.model.embed_tokens(mx.array([list(tokens)]))
+
+
+class StateCapture(nn.Module):
+    """Wraps one Gated-DeltaNet mixer; while ``capturing``, a multi-token call runs position by position and
+    keeps the cache state after each one in ``states``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.capturing = False
+        self.states: List[list] = []
+
+    def __call__(self, x, mask=None, cache=None):
+        if not self.capturing or cache is None:
+            return self.inner(x, mask, cache)
+        outputs, self.states = [], []
+        for i in range(x.shape[1]):
+            outputs.append(self.inner(x[:, i:i + 1], None if mask is None else mask[:, i:i + 1], cache))
+            self.states.append(list(cache.cache))
+        return mx.concatenate(outputs, axis=1)
+
+
+def install_state_capture(model) -> None:
+    """Wrap every Gated-DeltaNet mixer of ``model`` in a ``StateCapture`` (composition, this instance only)."""
+    for layer in map(unwrap, model.layers):
+        if layer.is_linear and not isinstance(layer.linear_attn, StateCapture):
+            layer.linear_attn = StateCapture(layer.linear_attn)
+
+
+def state_captures(model) -> List[StateCapture]:
+    """The ``StateCapture`` of every Gated-DeltaNet layer, in cache order (installed at build)."""
+    captures = [layer.linear_attn for layer in map(unwrap, model.layers) if layer.is_linear]
+    if not all(isinstance(c, StateCapture) for c in captures):
+        raise ValueError("the direct commit needs the state capture: build the model with mtp=True")
+    return captures
+
+
+def recurrent_caches(cache) -> list:
+    """The Gated-DeltaNet caches (not trimmable)."""
+    return [c for c in cache if isinstance(c, ArraysCache)]
+
+
+def attention_caches(cache) -> list:
+    """The full-attention KV caches (trimmable)."""
+    return [c for c in cache if not isinstance(c, ArraysCache)]
