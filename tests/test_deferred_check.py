@@ -1,0 +1,53 @@
+"""The deferred miss check: one host sync per forward when the routed experts are resident, the same ids and
+the same counters as checking at every MoE layer, and a correct rerun when an expert was missing."""
+
+import pytest
+
+from mlx_streaming.config import StreamingConfig
+from mlx_streaming.generate import greedy_generate
+from mlx_streaming.model import build_streaming_model
+from mlx_streaming.mtp.drafter import MTPDrafter
+from mlx_streaming.mtp.speculative import mtp_generate
+
+TOKENS = 24
+COUNTED = ("hits", "misses", "evictions", "demand_loads", "fastpath", "fallback", "grouped")
+
+
+def _run(model_dir, prompt, miss_check, warm=0, **config):
+    with build_streaming_model(model_dir, StreamingConfig(miss_check=miss_check, **config)) as sm:
+        if warm:
+            greedy_generate(sm.model, prompt, warm)
+            sm.store.reset_stats()
+        ids = greedy_generate(sm.model, prompt, TOKENS)
+        return ids, sm.store.stats()
+
+
+@pytest.mark.parametrize("pool", [None, 12, 4], ids=["full", "25%", "minimum"])
+def test_same_ids_and_counters_as_the_per_layer_check(model_dir, reference_model, prompt_ids, pool):
+    prompt = prompt_ids[2]
+    layer_ids, layer_stats = _run(model_dir, prompt, "layer", pool_slots=pool)
+    token_ids, token_stats = _run(model_dir, prompt, "token", pool_slots=pool)
+    assert token_ids == layer_ids == greedy_generate(reference_model, prompt, TOKENS)
+    assert {k: token_stats[k] for k in COUNTED} == {k: layer_stats[k] for k in COUNTED}
+    assert token_stats["deferred_forwards"] > 0 and layer_stats["deferred_forwards"] == 0
+    if pool == 4:
+        assert token_stats["deferred_retries"] > 0  # it tried, found a miss, reran layer by layer
+
+
+def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
+    prompt = prompt_ids[0]
+    _, layer_stats = _run(model_dir, prompt, "layer", warm=64)
+    _, token_stats = _run(model_dir, prompt, "token", warm=64)
+    forwards = TOKENS  # the prompt's prefill (one chunk) and TOKENS - 1 decode steps
+    assert token_stats["misses"] == 0 and token_stats["deferred_retries"] == 0
+    assert token_stats["host_syncs"] == token_stats["deferred_forwards"] == forwards
+    assert layer_stats["host_syncs"] == forwards * 8  # one per MoE layer call: 8 MoE layers
+
+
+@pytest.mark.parametrize("verify_mode", ["direct", "replay"])
+def test_speculation_with_the_deferred_check_equals_greedy(model_dir, reference_model, prompt_ids, verify_mode):
+    prompt = prompt_ids[1]
+    with build_streaming_model(model_dir, StreamingConfig(mtp=True, pool_slots=12, miss_check="token")) as sm:
+        ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, TOKENS, 3, verify_mode)
+        assert sm.store.stats()["deferred_forwards"] > 0
+    assert ids == greedy_generate(reference_model, prompt, TOKENS) and stats["steps"] > 0
