@@ -1,38 +1,49 @@
-"""Perf scenarios (pytest-benchmark): each round is one greedy or speculative decode of
-``--perf-max-tokens`` tokens; ``extra_info`` carries decode tok/s, the deterministic counters of the last
-round, and ratios measured side by side in this process. The plugin's perf gate compares them with the
-baseline in ``baselines/`` under ``--benchmark-compare``.
+"""Perf scenarios (pytest-benchmark). Each round is one greedy or speculative decode of ``--perf-tokens``
+tokens from a fresh cache (the pool stays warm); ``extra_info`` holds each round's cost per generated token
+in the gate's unit (``perf_gate.cost_unit``: CPU seconds here, wall seconds on a GPU), the wall seconds beside
+it, and the work counters of the first timed round (so they do not depend on the number of rounds). The
+plugin's perf gate compares them with the baseline in ``baselines/`` under ``--benchmark-compare``.
 
-Record a new baseline (single process, on an otherwise idle machine):
+Record a new baseline (single process):
     pytest -m perf --benchmark-save=baseline
 """
 
-import statistics
+import os
+import time
 
 import pytest
 
-from mlx_streaming.bench import timed_greedy
+from mlx_streaming import perf_gate
+from mlx_streaming.generate import greedy_generate
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
 
 pytestmark = pytest.mark.perf
 
+#: Counters that are exact for every scenario, and those exact only without prefetch (with prefetch, which
+#: reads finish before their acquire, and so what is read on demand, depends on timing).
+EXACT = ("routed", "experts_placed", "host_syncs")
+EXACT_WITHOUT_PREFETCH = EXACT + ("demand_loads", "bytes_read", "read_calls", "verify_calls")
+
 
 @pytest.fixture(scope="module")
 def perf(request):
-    return {"max_tokens": request.config.getoption("--perf-max-tokens"), "repeat": request.config.getoption("--perf-repeat")}
+    return {"tokens": request.config.getoption("--perf-tokens"), "rounds": request.config.getoption("--perf-rounds")}
 
 
 @pytest.fixture
 def fresh_model(model_dir, mtp_path, streaming_config):
-    """A newly built streaming model with its MTP head per call (``"quarter"``: 25% pool, direct mode), so each
-    scenario's counters start from an empty pool whatever ran before it."""
+    """A newly built streaming model per call (``"quarter"``: 25% pool, direct mode), so each scenario's
+    counters start from an empty pool whatever ran before it."""
     from mlx_streaming.model import build_streaming_model
 
     built = []
 
     def make(pool: str, **changes):
-        config = streaming_config.replace(mtp=mtp_path.exists(), mtp_path=str(mtp_path), **changes).with_pool()
+        # MLX_STREAMING_PLANT_S plants a slowdown (CPU seconds per forward) for the gate's power study and tests.
+        plant = float(os.environ.get("MLX_STREAMING_PLANT_S", "0"))
+        config = streaming_config.replace(mtp=mtp_path.exists(), mtp_path=str(mtp_path), plant_s=plant,
+                                          **changes).with_pool()
         if pool == "quarter":
             config = config.with_pool(pool_fraction=0.25).replace(io_mode="direct")
         built.append(build_streaming_model(model_dir, config))
@@ -43,90 +54,67 @@ def fresh_model(model_dir, mtp_path, streaming_config):
         sm.close()
 
 
-def _greedy_rounds(benchmark, model, prompt, perf, store=None):
-    """benchmark.pedantic over greedy decodes; returns (median decode tok/s, the last round's counters)."""
-    rates = []
+def _rounds(benchmark, decode, perf, store=None, exact=()):
+    """``benchmark.pedantic`` over ``decode()`` (returns the speculative stats or None): each round's cost per
+    token in the gate's unit and in wall seconds, and the first timed round's work counters."""
+    unit, costs, walls, first = perf_gate.cost_unit(), [], [], {}
+    cpu_unit = unit.startswith("cpu")
 
     def setup():
         if store is not None:
             store.reset_stats()
 
     def once():
-        rate, _ = timed_greedy(model, prompt, perf["max_tokens"], 256)
-        rates.append(rate)
+        c0, w0 = time.process_time(), time.perf_counter()
+        spec = decode()
+        wall = (time.perf_counter() - w0) / perf["tokens"]
+        costs.append((time.process_time() - c0) / perf["tokens"] if cpu_unit else wall)
+        walls.append(wall)
+        if store is not None and not first:
+            first.update(perf_gate.work_counters(store.stats(), store.reader.reads, perf["tokens"], spec))
 
-    timed_greedy(model, prompt, 4, 256)  # warm-up
-    benchmark.pedantic(once, setup=setup, rounds=perf["repeat"], iterations=1)
-    return statistics.median(rates), (store.stats() if store is not None else {})
+    decode()  # warm-up
+    benchmark.pedantic(once, setup=setup, rounds=perf["rounds"], iterations=1)
+    benchmark.extra_info.update(unit=unit, costs=costs, wall_s_per_token=walls, tokens=perf["tokens"],
+                                counters=first, exact=list(exact))
 
 
-def _counters(stats):
-    return {"disk_loads": stats["misses"], "hits": stats["hits"]}
+def _greedy(model, prompt, perf):
+    def decode():
+        greedy_generate(model, prompt, perf["tokens"])
+
+    return decode
 
 
 def test_greedy_full_pool(benchmark, fresh_model, prompt_ids, perf):
     sm = fresh_model("full")
-    tok_s, stats = _greedy_rounds(benchmark, sm.model, prompt_ids[0], perf, sm.store)
-    benchmark.extra_info.update(tok_s=tok_s, **_counters(stats), pool_slots=sm.store.capacity, io_mode="buffered")
+    _rounds(benchmark, _greedy(sm.model, prompt_ids[0], perf), perf, sm.store, EXACT_WITHOUT_PREFETCH)
 
 
 def test_greedy_quarter_pool_direct(benchmark, fresh_model, prompt_ids, perf):
     sm = fresh_model("quarter")
-    tok_s, stats = _greedy_rounds(benchmark, sm.model, prompt_ids[0], perf, sm.store)
-    benchmark.extra_info.update(tok_s=tok_s, **_counters(stats), pool_slots=sm.store.capacity, io_mode="direct")
+    _rounds(benchmark, _greedy(sm.model, prompt_ids[0], perf), perf, sm.store, EXACT_WITHOUT_PREFETCH)
 
 
 def test_greedy_quarter_pool_prefetch(benchmark, fresh_model, prompt_ids, perf):
-    """LRU + prefetch (ahead 1) at the 25% pool in direct mode, against the same pool without prefetch measured
-    beside it. Which experts the prefetch serves depends on read timing, so only the ratio is gated."""
+    """LRU + prefetch (ahead 1) at the 25% pool in direct mode."""
     sm = fresh_model("quarter", prefetch=True, prefetch_ahead=1)
-    tok_s, stats = _greedy_rounds(benchmark, sm.model, prompt_ids[0], perf, sm.store)
-    plain = fresh_model("quarter")
-    lru_tok_s = _median_greedy(plain.model, prompt_ids[0], perf)
-    benchmark.extra_info.update(tok_s=tok_s, lru_tok_s=lru_tok_s, prefetch_over_lru=tok_s / lru_tok_s,
-                                prefetch_hits=stats["prefetch_hits"], demand_loads=stats["demand_loads"],
-                                pool_slots=sm.store.capacity, io_mode="direct")
-
-
-def _median_greedy(model, prompt, perf) -> float:
-    """Median decode tok/s of ``repeat`` greedy decodes after a warm-up, outside pytest-benchmark's timing."""
-    timed_greedy(model, prompt, 4, 256)
-    return statistics.median(timed_greedy(model, prompt, perf["max_tokens"], 256)[0] for _ in range(perf["repeat"]))
+    _rounds(benchmark, _greedy(sm.model, prompt_ids[0], perf), perf, sm.store, EXACT)
 
 
 def test_speculative_k3(benchmark, fresh_model, prompt_ids, perf):
-    """K=3, direct commit, at the 25% pool in direct mode: speedup and disk-load ratio against greedy on the
-    same model, measured side by side."""
-    sm, prompt = fresh_model("quarter"), prompt_ids[0]
+    """K=3, direct commit, at the 25% pool in direct mode."""
+    sm = fresh_model("quarter")
     if sm.mtp is None:
         pytest.skip(f"{sm.path} has no MTP head (mtp.safetensors): nothing to speculate with")
-    rates, last = [], {}
+    prompt = prompt_ids[0]
 
-    def setup():
-        sm.store.reset_stats()
+    def decode():
+        return mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, perf["tokens"], 3, "direct")[1]
 
-    def once():
-        _, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, perf["max_tokens"], 3, "direct")
-        rates.append(stats["decode_tok_s"])
-        last.update(stats, store=sm.store.stats())
-
-    mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, 4, 3, "direct")  # warm-up
-    benchmark.pedantic(once, setup=setup, rounds=perf["repeat"], iterations=1)
-    greedy_rates = []
-    for _ in range(perf["repeat"]):
-        sm.store.reset_stats()
-        greedy_rates.append(timed_greedy(sm.model, prompt, perf["max_tokens"], 256)[0])
-    greedy_loads = sm.store.stats()["misses"]
-    tok_s = statistics.median(rates)
-    benchmark.extra_info.update(
-        tok_s=tok_s, greedy_tok_s=statistics.median(greedy_rates), speedup=tok_s / statistics.median(greedy_rates),
-        **_counters(last["store"]), accepted_drafts=last["accepted_drafts"], steps=last["steps"],
-        disk_load_ratio=last["store"]["misses"] / greedy_loads, K=3, verify_mode="direct",
-    )
+    _rounds(benchmark, decode, perf, sm.store, EXACT_WITHOUT_PREFETCH + ("spec_steps", "accepted_drafts"))
 
 
-def test_inmemory_mlx_lm(benchmark, reference_model, fresh_model, prompt_ids, perf):
-    """mlx-lm's own model, and the full-pool streaming model beside it for the streaming / in-memory ratio."""
-    tok_s, _ = _greedy_rounds(benchmark, reference_model, prompt_ids[0], perf)
-    streaming = _median_greedy(fresh_model("full").model, prompt_ids[0], perf)  # warmed up as the in-memory side
-    benchmark.extra_info.update(tok_s=tok_s, streaming_tok_s=streaming, streaming_over_inmemory=streaming / tok_s)
+def test_inmemory_mlx_lm(benchmark, reference_model, prompt_ids, perf):
+    """mlx-lm's own model: the yardstick (cost only)."""
+    _rounds(benchmark, _greedy(reference_model, prompt_ids[0], perf), perf)

@@ -17,6 +17,7 @@ from mlx_streaming.generate import greedy_generate
 from mlx_streaming.io import native
 from mlx_streaming.io.reader import ExpertReader
 from mlx_streaming.model import build_streaming_model
+from mlx_streaming.cache.stats import ResidencyStats
 from mlx_streaming.moe.prefetch import Prefetcher
 
 TWIN_FORCED = os.environ.get("MLX_STREAMING_NATIVE") == "0"
@@ -116,22 +117,23 @@ def index_and_reader(model_dir):
 
 def test_prefetcher_merges_bounds_staging_serves_and_drops_stale(index_and_reader):
     index, reader = index_and_reader
-    pf = Prefetcher(index, reader, staging_limit=2 * index.expert_bytes, threads=2)
+    counters = ResidencyStats()
+    pf = Prefetcher(index, reader, staging_limit=2 * index.expert_bytes, counters=counters, threads=2)
     try:
         assert pf.submit(0, [1, 1, 2, 3]) == 2  # 1 again is merged, 3 would pass the staging limit
-        assert (pf.merged, pf.over_budget, pf.staging_bytes) == (1, 1, 2 * index.expert_bytes)
+        assert (counters.prefetch_merged, counters.prefetch_over_budget, pf.staging_bytes) == (1, 1, 2 * index.expert_bytes)
         deadline = time.monotonic() + 30
         while pf.state(0, 1) != "ready" and time.monotonic() < deadline:
             time.sleep(0.001)
         buffers = pf.take(0, 1)
         truth = reader.read([(s.path, s.offset, s.nbytes) for s in index.slices(0, 1)])
         assert [b.tobytes() for b in buffers] == [t.tobytes() for t in truth]
-        assert pf.prefetch_hits == 1 and pf.take(0, 1) is None  # taken once
+        assert counters.prefetch_hits == 1 and pf.take(0, 1) is None  # taken once
         pf.drop_layer(0)  # expert 2 is stale once layer 0 has its experts
-        assert pf.dropped == 1 and pf.take(0, 2) is None
+        assert counters.prefetch_dropped == 1 and pf.take(0, 2) is None
         while pf.staging_bytes and time.monotonic() < deadline:  # an in-flight read is discarded
             time.sleep(0.001)                                               # when it ends
-        assert pf.staging_bytes == 0 and pf.staging_peak == 2 * index.expert_bytes
+        assert pf.staging_bytes == 0 and counters.prefetch_staging_peak == 2 * index.expert_bytes
     finally:
         pf.close()
     assert pf.alive_threads == 0 and pf.submit(0, [4]) == 0
@@ -164,12 +166,12 @@ def test_budgets_cap_what_is_submitted(model_dir, prompt_ids):
         original = sm.store.predictor.start_forward
         sm.store.predictor.start_forward = lambda tokens: (forwards.append(tokens), original(tokens))
         greedy_generate(sm.model, prompt_ids[0], 8)
-        assert 0 < sm.store.prefetcher.submitted <= 3 * len(forwards)
+        assert 0 < sm.store.stats()["prefetch_submitted"] <= 3 * len(forwards)
     config = config.replace(prefetch_forward_budget=0, prefetch_layer_budget=1)
     with build_streaming_model(model_dir, config) as sm:
         greedy_generate(sm.model, prompt_ids[0], 8)
         layers = len(sm.model.layers)
-        assert 0 < sm.store.prefetcher.submitted <= 9 * layers  # 1 prefill + 8 decode forwards
+        assert 0 < sm.store.stats()["prefetch_submitted"] <= 9 * layers  # 1 prefill + 8 decode forwards
 
 
 def test_a_failed_prefetch_read_is_dropped_and_the_demand_read_serves(model_dir, reference_model, prompt_ids):

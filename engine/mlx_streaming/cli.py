@@ -156,6 +156,11 @@ def cmd_bench(args) -> None:
     elif args.prefetch_report:
         result = bench.prefetch_report(_model_dir(args), _config(args))
         print(bench.prefetch_table(result))
+    elif args.gate_power:
+        from . import gate_power
+
+        result = gate_power.study(_model_dir(args), _config(args))
+        print(gate_power.table(result))
     elif args.overhead:
         result = bench.overhead_report(_model_dir(args), _config(args))
         print(bench.overhead_table(result))
@@ -254,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--overhead", action="store_true",
                        help="the engine's own cost per token: in-memory vs streaming with the miss check per layer "
                             "and per token (host syncs, wait), greedy and MTP")
+    modes.add_argument("--gate-power", action="store_true",
+                       help="how often the perf gate catches planted 5/10/20%% slowdowns and fails an unchanged "
+                            "tree, quiet and beside two busy loops (about 10 minutes here)")
     modes.add_argument("--processes", type=int, metavar="N",
                        help="noise floor: run the default benchmark in N fresh processes, report the spread")
     p.set_defaults(func=cmd_bench)

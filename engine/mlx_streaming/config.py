@@ -79,6 +79,9 @@ class StreamingConfig:
     #: them all with no per-layer host sync and checks once at its end (a miss reruns it layer by layer);
     #: "layer" syncs at every MoE layer.
     miss_check: str = "token"
+    #: Test-only: CPU seconds burnt at the start of every forward, to plant a known slowdown for the perf
+    #: gate's power study (``bench --gate-power``) and its tests. 0 in any real use.
+    plant_s: float = 0.0
     #: Measure prediction recall, miss attribution and main-thread timings (costs time; off by default).
     diagnostics: bool = False
 

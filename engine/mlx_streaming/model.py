@@ -19,6 +19,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from .adapters import qwen3_next
 from .adapters.switch_layers import defer_miss_checks, experts_per_token, expert_sites, install, wrap_layers
+from .cache.stats import ResidencyStats
 from .cache.store import ExpertStore
 from .cache.verify import ByteVerifier
 from .checkpoint.experts import ExpertIndex
@@ -185,14 +186,16 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
                                         ckpt.dense_bytes)
     reader = reader or ExpertReader(config.io_mode)
     main_sites = {i: site for i, site in ckpt.sites.items() if ckpt.head is None or i < model_config["num_hidden_layers"]}
+    counters = ResidencyStats()
     prefetcher = predictor = None
     if config.prefetch:
-        prefetcher = Prefetcher(index, reader, config.staging_bytes, config.prefetch_threads)
+        prefetcher = Prefetcher(index, reader, config.staging_bytes, counters, config.prefetch_threads)
         predictor = ExpertPredictor(main_sites, index.num_experts, top_k, ahead=config.prefetch_ahead,
                                     mult=config.prefetch_mult, layer_budget=config.prefetch_layer_budget,
                                     forward_budget=config.prefetch_forward_budget, diagnostics=config.diagnostics)
-    store = ExpertStore(index, reader, capacity, top_k, config.record, verifier=ByteVerifier(index) if config.verify else None,
-                        prefetcher=prefetcher, predictor=predictor, miss_check=config.miss_check)
+    store = ExpertStore(index, reader, capacity, top_k, config.record, verifier=ByteVerifier(index, counters) if config.verify else None,
+                        prefetcher=prefetcher, predictor=predictor, miss_check=config.miss_check,
+                        plant_s=config.plant_s, counters=counters)
     install(ckpt.sites, store.pools, lambda site: StreamingSwitch(site.switch, site.layer, store))
     mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
     if predictor is not None:

@@ -1,46 +1,104 @@
-"""The perf gate: each scenario's ``extra_info`` against its recorded baseline.
+"""The perf gate: each perf scenario's rounds and work counters against its recorded baseline.
 
-pytest-benchmark compares only timing statistics; this compares what matters here:
+Every scenario records, per round, its cost per generated token in one unit (``cost_unit``): the process's
+CPU seconds on MLX's CPU backend, where a busy neighbour moves wall time but barely moves the CPU time the
+process itself spends; wall seconds on a GPU backend, whose work is not CPU time. The baseline keeps its
+rounds and its unit, and costs are compared only in the same unit on the same machine profile.
 
-(a) deterministic counters (disk loads, hits, accepted drafts, steps) must equal the baseline's: they are
-    exact on any machine, so any change fails until the baseline is re-recorded;
-(b) same-run ratios (speedup, streaming / in-memory) must not fall, and the disk-load ratio must not rise, by
-    more than ``ratio_tolerance`` (relative);
-(c) absolute tok/s must not fall by more than ``toks_tolerance`` (relative), checked only when the machine
-    profile (CPU model, core count, OS, MLX version) equals the baseline's.
+The verdict per scenario, stated once here:
+
+- **Work counters** (``WORK_COUNTERS``, per generated token, one definition each) named in the scenario's
+  ``exact`` list must equal the baseline's exactly, on any machine: a new host sync per layer or an extra read
+  per expert fails without a clock.
+- **Cost**: the ratio of medians (current / baseline) with a bootstrap interval (``RESAMPLES`` resamples of
+  both sets of rounds). The scenario fails only when the slowdown is both statistically clear (the interval's
+  lower bound, one-sided 95%, is above 1) and larger than ``threshold`` (the ratio itself is above
+  1 + threshold). The report also gives the smallest slowdown this noise lets the rule catch 95% of the time.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
-COUNTERS = ("disk_loads", "hits", "accepted_drafts", "steps")
-#: Ratios where higher is better, and where lower is better.
-RATIOS_UP = ("speedup", "streaming_over_inmemory", "prefetch_over_lru")
-RATIOS_DOWN = ("disk_load_ratio",)
-TOKS = ("tok_s",)
+import numpy as np
 
-#: Chosen from the noise floor measured on the 2-core CI machine (README): across 5 fresh processes the
-#: greedy tok/s, speculative tok/s and speedup spread 18%, 26% and 34% (max - min over median).
-DEFAULT_RATIO_TOLERANCE = 0.35
-DEFAULT_TOKS_TOLERANCE = 0.30
+#: Work counters, each per generated token of a scenario's last round, each with one meaning.
+WORK_COUNTERS = {
+    "routed": "experts looked up at acquire (hits + misses), every MoE layer call of every forward",
+    "experts_placed": "experts written into the pool (misses), from a demand read or from prefetch staging",
+    "demand_loads": "experts read on the main thread at acquire",
+    "prefetch_loads": "expert reads the prefetcher's threads completed",
+    "bytes_read": "bytes read from disk, demand and prefetch",
+    "read_calls": "system reads issued by the reader (after merging adjacent ranges)",
+    "host_syncs": "the engine's waits for the device on the forward path (routes or predictions brought to "
+                  "the host, pool writes evaluated, the deferred check)",
+    "verify_calls": "experts checked by byte-truth verification",
+    "spec_steps": "speculative verify steps",
+    "accepted_drafts": "drafts accepted by speculative verification",
+}
+#: Default slowdown the gate tolerates before failing (and only when it is also statistically clear).
+DEFAULT_THRESHOLD = 0.05
+RESAMPLES = 4000
+CONFIDENCE = 0.95
+
+
+def cost_unit() -> str:
+    """``cpu_s_per_token`` on MLX's CPU backend, ``wall_s_per_token`` on a GPU backend."""
+    import mlx.core as mx
+
+    return "cpu_s_per_token" if mx.default_device().type == mx.DeviceType.cpu else "wall_s_per_token"
+
+
+def work_counters(stats: Mapping, reader_reads: int, tokens: int, spec: Optional[Mapping] = None) -> Dict[str, float]:
+    """``WORK_COUNTERS`` per generated token from the store's ``stats()``, the reader's read count and, for a
+    speculative run, its statistics."""
+    counts = {
+        "routed": stats["hits"] + stats["misses"], "experts_placed": stats["misses"],
+        "demand_loads": stats["demand_loads"], "prefetch_loads": stats.get("prefetch_loads", 0),
+        "bytes_read": stats["bytes_read"], "read_calls": reader_reads, "host_syncs": stats["host_syncs"],
+        "verify_calls": stats.get("verify_calls", 0),
+        "spec_steps": spec["steps"] if spec else 0, "accepted_drafts": spec["accepted_drafts"] if spec else 0,
+    }
+    return {name: value / tokens for name, value in counts.items()}
+
+
+def ratio_interval(baseline: Sequence[float], current: Sequence[float], seed: int = 0) -> tuple:
+    """(median ratio current / baseline, its one-sided lower and upper bounds at ``CONFIDENCE``, the
+    bootstrap standard error of the ratio)."""
+    rng = np.random.default_rng(seed)
+    base, now = np.asarray(baseline, dtype=float), np.asarray(current, dtype=float)
+    ratios = (np.median(rng.choice(now, (RESAMPLES, now.size)), axis=1)
+              / np.median(rng.choice(base, (RESAMPLES, base.size)), axis=1))
+    tail = 100 * (1 - CONFIDENCE)
+    return (float(np.median(now) / np.median(base)), float(np.percentile(ratios, tail)),
+            float(np.percentile(ratios, 100 - tail)), float(ratios.std()))
+
+
+def slowdown_verdict(baseline: Sequence[float], current: Sequence[float], threshold: float = DEFAULT_THRESHOLD) -> dict:
+    """The cost rule on two sets of rounds: ratio, interval, the slowdown this noise lets the rule catch 95%
+    of the time, and whether it fails."""
+    ratio, low, high, se = ratio_interval(baseline, current)
+    return {"ratio": ratio, "low": low, "high": high, "detectable": threshold + 1.645 * se,
+            "fail": low > 1.0 and ratio > 1.0 + threshold}
 
 
 @dataclass(frozen=True)
-class Violation:
+class Row:
     scenario: str
-    metric: str
-    baseline: float
-    current: float
-    rule: str
+    check: str
+    baseline: object
+    current: object
+    detail: str
+    fail: bool
 
-    def row(self) -> list:
-        return [self.scenario, self.metric, self.baseline, self.current, self.rule]
+    def cells(self) -> list:
+        return [self.scenario, self.check, self.baseline, self.current, self.detail, "FAIL" if self.fail else "ok"]
 
 
 def machine_profile(machine_info: Mapping) -> dict:
-    """What must match for absolute tok/s to be comparable."""
+    """What must match for costs to be comparable."""
     cpu = machine_info.get("cpu", {}) or {}
     return {
         "cpu": cpu.get("brand_raw") or machine_info.get("processor"),
@@ -51,43 +109,37 @@ def machine_profile(machine_info: Mapping) -> dict:
 
 
 def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], same_machine: bool,
-          ratio_tolerance: float = DEFAULT_RATIO_TOLERANCE, toks_tolerance: float = DEFAULT_TOKS_TOLERANCE) -> List[Violation]:
-    """``{scenario: extra_info}`` now and recorded; the violations, empty when the gate passes."""
-    out = []
+          threshold: float = DEFAULT_THRESHOLD) -> List[Row]:
+    """``{scenario: extra_info}`` now and recorded; one row per check made (and per check skipped, saying why)."""
+    rows = []
     for scenario, now in sorted(current.items()):
         base = baseline.get(scenario)
         if base is None:
+            rows.append(Row(scenario, "-", "-", "-", "no baseline: not checked", False))
             continue
-        for key in COUNTERS:
-            if key in base and now.get(key) != base[key]:
-                out.append(Violation(scenario, key, base[key], now.get(key), "deterministic counter moved"))
-        for key in RATIOS_UP:
-            if _fell(base.get(key), now.get(key), ratio_tolerance):
-                out.append(Violation(scenario, key, base[key], now[key], f"ratio fell by more than {ratio_tolerance:.0%}"))
-        for key in RATIOS_DOWN:
-            if _rose(base.get(key), now.get(key), ratio_tolerance):
-                out.append(Violation(scenario, key, base[key], now[key], f"ratio rose by more than {ratio_tolerance:.0%}"))
-        if same_machine:
-            for key in TOKS:
-                if _fell(base.get(key), now.get(key), toks_tolerance):
-                    out.append(Violation(scenario, key, base[key], now[key], f"tok/s fell by more than {toks_tolerance:.0%} (same machine profile)"))
-    return out
+        for name in base.get("exact", []):
+            b, c = base["counters"].get(name), now.get("counters", {}).get(name)
+            rows.append(Row(scenario, f"{name}/token", b, c, "exact", b != c))
+        rows.append(_cost_row(scenario, base, now, same_machine, threshold))
+    return rows
 
 
-def _fell(base: Optional[float], now: Optional[float], tolerance: float) -> bool:
-    return base is not None and now is not None and now < base * (1 - tolerance)
+def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, threshold: float) -> Row:
+    unit = base.get("unit")
+    if not base.get("costs") or not now.get("costs"):
+        return Row(scenario, "cost", "-", "-", "no rounds recorded: not compared", False)
+    if unit != now.get("unit") or not same_machine:
+        why = f"units differ ({unit} vs {now.get('unit')})" if unit != now.get("unit") else "another machine profile"
+        return Row(scenario, "cost", statistics.median(base["costs"]), statistics.median(now["costs"]),
+                   f"{why}: not compared", False)
+    v = slowdown_verdict(base["costs"], now["costs"], threshold)
+    detail = (f"x{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}], {len(base['costs'])}/{len(now['costs'])} rounds, "
+              f"catches >= {v['detectable']:.1%} slowdowns; fails above +{threshold:.0%} when clear")
+    return Row(scenario, unit, round(statistics.median(base["costs"]), 5), round(statistics.median(now["costs"]), 5),
+               detail, v["fail"])
 
 
-def _rose(base: Optional[float], now: Optional[float], tolerance: float) -> bool:
-    return base is not None and now is not None and now > base * (1 + tolerance)
-
-
-def report(violations: List[Violation]) -> str:
+def report(rows: List[Row]) -> str:
     from tabulate import tabulate
 
-    return tabulate([v.row() for v in violations], headers=["scenario", "metric", "baseline", "current", "rule"])
-
-
-def missing(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping]) -> Dict[str, str]:
-    """Scenarios run now that the baseline does not hold (they pass unchecked: say so)."""
-    return {name: "no baseline" for name in current if name not in baseline}
+    return tabulate([r.cells() for r in rows], headers=["scenario", "check", "baseline", "current", "detail", "verdict"])

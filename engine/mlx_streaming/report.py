@@ -11,10 +11,10 @@ def counters_line(stats: dict, covers: str) -> str:
     looked_up = stats["hits"] + stats["misses"]
     line = (f"counters over {covers}: {looked_up} experts routed, {stats['hits']} resident "
             f"({stats['hits'] / looked_up if looked_up else 0:.1%}), {stats['demand_loads']} demand loads")
-    if stats.get("prefetch_loads") is not None:
+    if "prefetch_staging_bytes" in stats:  # a prefetcher is running
         line += f", {stats['prefetch_loads']} prefetch reads ({stats['prefetched']} of them used)"
     line += f"; {format_size(stats['bytes_read'])} read from disk"
-    if stats.get("verify_calls") is not None:
+    if "verify_from_manifest" in stats:  # byte-truth verification is on
         line += f"; verify: {stats['verify_calls']} checks, {stats['verify_bad']} bad"
     return line
 

@@ -184,6 +184,7 @@ class DeferredCheckStack(nn.Module):
             return getattr(self["stack"], name)
 
     def __call__(self, *args, **kwargs):
+        self._store.plant()
         bound = self._signature.bind(self.stack, *args, **kwargs).arguments
         inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
         saved = snapshot_caches(cache)

@@ -9,7 +9,7 @@ else holds its buffer between steps.
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from ..checkpoint.experts import ExpertIndex
 from ..errors import ExpertIOError, PoolTooSmallError
 from ..io.reader import ExpertReader
+from .stats import ResidencyStats
 from .policy import LRUSlots
 
 _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -29,23 +30,12 @@ def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
 
 
 class ExpertStore:
-    #: fastpath / fallback: layer calls whose routed experts were all resident / were not;
-    #: grouped: layer calls that needed more experts than fit and ran in groups.
-    #: demand_bytes: bytes of demand reads; read_s: seconds spent in them (demand_bytes / read_s is the
-    #: engine's demand-load rate). ``stats()["bytes_read"]`` is every byte read from disk, prefetch included.
-    #: host_syncs: the engine's own waits for the device on the forward path (routes brought to the host,
-    #: one per MoE layer call, or one per forward when the miss check is deferred); sync_s: seconds in them.
-    #: deferred_forwards / deferred_retries: forwards run with the deferred miss check / of those, rerun
-    #: layer by layer because a routed expert was not resident.
-    #: misses: experts not resident at acquire; prefetched: of those, placed from the prefetcher's staging
-    #: (the rest were demand-loaded on the main thread); place_s: seconds placing bytes into the pool.
-    COUNTERS = ("hits", "misses", "prefetched", "evictions", "demand_bytes", "read_s", "place_s", "fastpath",
-                "fallback", "grouped", "host_syncs", "sync_s", "deferred_forwards", "deferred_retries")
-
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
-                 verifier=None, prefetcher=None, predictor=None, miss_check: str = "token"):
+                 verifier=None, prefetcher=None, predictor=None, miss_check: str = "token", plant_s: float = 0.0,
+                 counters: Optional[ResidencyStats] = None):
         """``verifier`` (a ByteVerifier) checks every expert placed; ``prefetcher`` and ``predictor`` (both or
-        neither) read predicted experts in the background: the store is built with every part it uses."""
+        neither) read predicted experts in the background: the store is built with every part it uses, and
+        with the one ``counters`` object they all count into."""
         if capacity < top_k:
             raise PoolTooSmallError(
                 f"pool_slots={capacity} is below num_experts_per_tok={top_k}: one token needs {top_k} experts resident"
@@ -66,7 +56,10 @@ class ExpertStore:
         #: union-of-experts profile. Off (None) unless asked for.
         self.union_log = None
         self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
+        self.counters = counters or ResidencyStats()
         self.miss_check = miss_check
+        #: Test-only planted slowdown: CPU seconds burnt at the start of every forward (``plant``).
+        self.plant_s = plant_s
         #: Per layer, expert id -> slot on the device (non-resident experts point at slot 0); None when stale.
         self._tables: Dict[int, mx.array] = dict.fromkeys(index.layers)
         self.deferring = False
@@ -81,39 +74,41 @@ class ExpertStore:
         return sum(a.nbytes for pool in self.pools.values() for a in pool.values())
 
     def reset_stats(self) -> None:
-        for name in self.COUNTERS:
-            setattr(self, name, 0)
+        self.counters.reset(self.prefetcher.staging_bytes if self.prefetcher else 0)
         self.reader.reads = 0
-        for part in (self.verifier, self.prefetcher, self.predictor and self.predictor.diagnostics):
-            if part is not None:
-                part.reset_stats()
+        if self.predictor is not None and self.predictor.diagnostics is not None:
+            self.predictor.diagnostics.reset_stats()
 
     def stats(self) -> dict:
-        counters = {name: getattr(self, name) for name in self.COUNTERS}
-        counters["demand_loads"] = self.misses - self.prefetched
-        counters["prefetch_bytes"] = self.prefetcher.prefetch_loads * self.index.expert_bytes if self.prefetcher else 0
-        counters["bytes_read"] = self.demand_bytes + counters["prefetch_bytes"]
+        """Every counter (``cache.stats.FIELDS``), and what follows from them: ``demand_loads``,
+        ``prefetch_bytes``, ``bytes_read`` (every byte read from disk), ``read_calls`` (the reader's system
+        reads), and ``verify_from_manifest`` / ``prefetch_staging_bytes`` where those parts exist."""
+        c = self.counters
+        out = c.as_dict()
+        out["demand_loads"] = c.misses - c.prefetched
+        out["prefetch_bytes"] = c.prefetch_loads * self.index.expert_bytes
+        out["bytes_read"] = c.demand_bytes + out["prefetch_bytes"]
+        out["read_calls"] = self.reader.reads
         if self.verifier is not None:
-            counters.update(self.verifier.stats())
+            out["verify_from_manifest"] = self.verifier.from_manifest
         if self.prefetcher is not None:
-            counters.update({k if k.startswith("prefetch_") else f"prefetch_{k}": v
-                             for k, v in self.prefetcher.stats().items()})
-        return counters
+            out["prefetch_staging_bytes"] = self.prefetcher.staging_bytes
+        return out
 
     def to_host(self, array: mx.array) -> np.ndarray:
         """``array`` on the host: one counted, timed wait for the device."""
         start = time.perf_counter()
         host = np.array(array)
-        self.host_syncs += 1
-        self.sync_s += time.perf_counter() - start
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
         return host
 
-    def _eval(self, arrays) -> None:
+    def sync(self, arrays) -> None:
         """``mx.eval(arrays)``: one counted, timed wait for the device."""
         start = time.perf_counter()
         mx.eval(arrays)
-        self.host_syncs += 1
-        self.sync_s += time.perf_counter() - start
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
 
     def route(self, layer: int, routed: np.ndarray) -> List[int]:
         """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts."""
@@ -122,12 +117,19 @@ class ExpertStore:
             self.union_log.append((layer, routed.size // routed.shape[-1], len(experts)))
         policy = self.policies[layer]
         if all(policy.slot(e) is not None for e in experts):
-            self.fastpath += 1
+            self.counters.fastpath += 1
         else:
-            self.fallback += 1
+            self.counters.fallback += 1
         return experts
 
     # ------------------------------------------------------------ the deferred miss check
+
+    def plant(self) -> None:
+        """Burn ``plant_s`` CPU seconds (the perf gate's power study plants slowdowns with it; 0 otherwise)."""
+        if self.plant_s:
+            end = time.process_time() + self.plant_s
+            while time.process_time() < end:
+                pass
 
     def begin_forward(self, tokens: int) -> bool:
         """Whether the forward about to run on ``tokens`` tokens defers its miss check: ``miss_check`` is
@@ -139,7 +141,7 @@ class ExpertStore:
             self._defer_wait -= 1
             return False
         self.deferring, self._deferred = True, []
-        self.deferred_forwards += 1
+        self.counters.deferred_forwards += 1
         return True
 
     def defer(self, layer: int, indices: mx.array) -> mx.array:
@@ -158,10 +160,10 @@ class ExpertStore:
         start = time.perf_counter()
         mx.eval(output, [indices for _, indices in routes])
         hosted = [(layer, np.array(indices)) for layer, indices in routes]
-        self.host_syncs += 1
-        self.sync_s += time.perf_counter() - start
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
         if any(self.policies[layer].slot(int(e)) is None for layer, routed in hosted for e in np.unique(routed)):
-            self.deferred_retries += 1
+            self.counters.deferred_retries += 1
             self._defer_wait, self._defer_backoff = self._defer_backoff, min(64, 2 * self._defer_backoff)
             return False
         self._defer_backoff = 1
@@ -184,7 +186,7 @@ class ExpertStore:
             self._routed[layer][list(experts)] += 1
         if self.predictor is not None:
             self.predictor.account(layer, experts, {e for e in experts if e not in missing}, self.prefetcher.state)
-        self.hits += len(experts) - len(missing)
+        self.counters.hits += len(experts) - len(missing)
         for e in experts:
             policy.touch(e)
         if missing:
@@ -211,24 +213,24 @@ class ExpertStore:
             except ExpertIOError as exc:
                 failed = demand[exc.range_index // per_expert]
                 raise ExpertIOError(f"layer {layer} expert {failed}: {exc}") from None
-            self.read_s += time.perf_counter() - start
+            self.counters.read_s += time.perf_counter() - start
             for i, e in enumerate(demand):
                 staged[e] = buffers[i * per_expert:(i + 1) * per_expert]
-            self.demand_bytes += sum(s.nbytes for e in demand for s in slices[e])
+            self.counters.demand_bytes += sum(s.nbytes for e in demand for s in slices[e])
         start = time.perf_counter()
         pool, policy = self.pools[layer], self.policies[layer]
         placed = []
         for expert in experts:
             slot, evicted = policy.place(expert, protected)
-            self.evictions += evicted is not None
+            self.counters.evictions += evicted is not None
             for s, buf in zip(slices[expert], staged[expert]):
                 pool[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
             placed.append((expert, slot))
         self._tables[layer] = None
-        self._eval(list(pool.values()))
-        self.place_s += time.perf_counter() - start
-        self.misses += len(experts)
-        self.prefetched += len(experts) - len(demand)
+        self.sync(list(pool.values()))
+        self.counters.place_s += time.perf_counter() - start
+        self.counters.misses += len(experts)
+        self.counters.prefetched += len(experts) - len(demand)
         if self.verifier is not None:
             for expert, slot in placed:
                 self.verifier.check(layer, expert, pool, slot)

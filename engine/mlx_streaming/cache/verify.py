@@ -17,6 +17,7 @@ import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
 from ..checkpoint.manifest import ManifestChecksums, checksum_slices
+from .stats import ResidencyStats
 from ..errors import StreamingError
 from ..io.native import crc32c
 
@@ -26,8 +27,8 @@ class ExpertVerifyError(StreamingError):
 
 
 class ByteVerifier:
-    def __init__(self, index: ExpertIndex):
-        self.index = index
+    def __init__(self, index: ExpertIndex, counters: ResidencyStats):
+        self.index, self.counters = index, counters
         manifests = ManifestChecksums(index)
         self.manifests = manifests.folders
         self._expected: Dict[Tuple[int, int, str], Tuple[int, str]] = {}
@@ -44,27 +45,20 @@ class ByteVerifier:
         from_disk = checksum_slices(s for _, _, s in unlisted)
         for layer, e, s in unlisted:
             self._expected[(layer, e, s.tensor)] = (from_disk[s], "checksummed when the model was built")
-        self.calls = self.ok = self.bad = 0
 
-    def reset_stats(self) -> None:
-        self.calls = self.ok = self.bad = 0
-
-    def stats(self) -> dict:
-        return {"verify_calls": self.calls, "verify_ok": self.ok, "verify_bad": self.bad,
-                "verify_from_manifest": self.from_manifest}
 
     def check(self, layer: int, expert: int, pool: Dict[str, mx.array], slot: int) -> None:
         """Compare every tensor of ``expert`` in ``pool[...][slot]`` with its reference checksum."""
-        self.calls += 1
+        self.counters.verify_calls += 1
         for s in self.index.slices(layer, expert):
             held = pool[s.tensor][slot]
             if held.dtype == mx.bfloat16:
                 held = held.view(mx.uint16)
             expected, reference = self._expected[(layer, expert, s.tensor)]
             if crc32c(memoryview(np.ascontiguousarray(np.array(held))).cast("B")) != expected:
-                self.bad += 1
+                self.counters.verify_bad += 1
                 raise ExpertVerifyError(
                     f"layer {layer} expert {expert} tensor {s.tensor}: the pool's bytes differ from {s.path} "
                     f"at offset {s.offset} ({s.nbytes} bytes) as {reference}"
                 )
-        self.ok += 1
+        self.counters.verify_ok += 1

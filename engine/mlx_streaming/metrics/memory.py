@@ -26,7 +26,7 @@ def memory_snapshot(sm) -> dict:
         "mtp_head": resident_dense_bytes(sm.mtp, sm.store) if sm.mtp else 0,
     }
     parts["activations_and_temporaries"] = max(0, active - sum(parts.values()))
-    parts["prefetch_staging_peak"] = sm.store.prefetcher.staging_peak if sm.store.prefetcher else 0
+    parts["prefetch_staging_peak"] = sm.store.counters.prefetch_staging_peak
     return {
         "mlx_active_gb": active / GB,
         "mlx_peak_gb": mx.get_peak_memory() / GB,

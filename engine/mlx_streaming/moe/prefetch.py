@@ -16,6 +16,7 @@ import weakref
 from collections import OrderedDict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..cache.stats import ResidencyStats
 from ..errors import ExpertIOError
 
 QUEUED, READING, READY, FAILED = "queued", "reading", "ready", "failed"
@@ -30,36 +31,19 @@ class _Entry:
 
 
 class Prefetcher:
-    #: submitted: requests queued; merged: requests for an expert already queued/reading/ready;
-    #: over_budget: requests refused because staging would pass its limit; prefetch_loads: experts read;
-    #: prefetch_hits: acquires served from staging; waited: of those, ones whose read was still running;
-    #: dropped: stale entries discarded (queued, read or being read) and failed reads.
-    COUNTERS = ("submitted", "merged", "over_budget", "prefetch_loads", "prefetch_hits", "waited", "dropped",
-                "read_failures")
-
-    def __init__(self, index, reader, staging_limit: int, threads: int = 2):
-        self.index, self.reader, self.staging_limit = index, reader, staging_limit
+    def __init__(self, index, reader, staging_limit: int, counters: ResidencyStats, threads: int = 2):
+        """Counts into ``counters`` (the store's ``prefetch_*`` fields), under its own lock."""
+        self.index, self.reader, self.staging_limit, self.counters = index, reader, staging_limit, counters
         self._entries: "OrderedDict[Key, _Entry]" = OrderedDict()
         self._queue: deque = deque()
         self._cv = threading.Condition()
         self._closed = False
         self.staging_bytes = 0
-        self.staging_peak = 0
-        self.reset_stats()
         self._threads = [threading.Thread(target=self._work, name=f"mlx-streaming-prefetch-{i}", daemon=True)
                          for i in range(threads)]
         for t in self._threads:
             t.start()
         atexit.register(_close_at_exit, weakref.ref(self))
-
-    def reset_stats(self) -> None:
-        for name in self.COUNTERS:
-            setattr(self, name, 0)
-        self.staging_peak = self.staging_bytes
-
-    def stats(self) -> dict:
-        return {**{name: getattr(self, name) for name in self.COUNTERS},
-                "staging_bytes": self.staging_bytes, "staging_peak": self.staging_peak}
 
     # ------------------------------------------------------------ main thread
 
@@ -72,17 +56,17 @@ class Prefetcher:
             for e in experts:
                 key = (layer, int(e))
                 if key in self._entries and not self._entries[key].stale:
-                    self.merged += 1
+                    self.counters.prefetch_merged += 1
                     continue
                 nbytes = self.index.expert_bytes
                 if self.staging_bytes + nbytes > self.staging_limit:
-                    self.over_budget += 1
+                    self.counters.prefetch_over_budget += 1
                     continue
                 self._entries[key] = _Entry(nbytes)
                 self._queue.append(key)
                 self.staging_bytes += nbytes
-                self.staging_peak = max(self.staging_peak, self.staging_bytes)
-                self.submitted += 1
+                self.counters.prefetch_staging_peak = max(self.counters.prefetch_staging_peak, self.staging_bytes)
+                self.counters.prefetch_submitted += 1
                 queued += 1
             if queued:
                 self._cv.notify_all()
@@ -105,14 +89,14 @@ class Prefetcher:
                 self._discard(key, entry)
                 return None
             if entry.state == READING:
-                self.waited += 1
+                self.counters.prefetch_waited += 1
                 while entry.state == READING:
                     self._cv.wait()
             buffers = entry.buffers
             self._discard(key, entry)
             if entry.state != READY:
                 return None
-            self.prefetch_hits += 1
+            self.counters.prefetch_hits += 1
             return buffers
 
     def drop_layer(self, layer: int) -> None:
@@ -124,7 +108,7 @@ class Prefetcher:
                     entry.stale = True  # the worker discards it when the read ends
                 else:
                     self._discard(key, entry)
-                self.dropped += 1
+                self.counters.prefetch_dropped += 1
 
     def _discard(self, key: Key, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
@@ -174,9 +158,9 @@ class Prefetcher:
                 entry.buffers, entry.error = buffers, error
                 entry.state = READY if error is None else FAILED
                 if error is None:
-                    self.prefetch_loads += 1
+                    self.counters.prefetch_loads += 1
                 else:
-                    self.read_failures += 1
+                    self.counters.prefetch_read_failures += 1
                 if entry.stale or error is not None:
                     self._discard(key, entry)
                 self._cv.notify_all()

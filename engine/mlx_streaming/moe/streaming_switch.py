@@ -39,7 +39,7 @@ class StreamingSwitch(nn.Module):
             self._slot_of[experts] = store.acquire(layer, experts)
             store.layer_done(layer)
             return self.pool_mlp(x, mx.array(self._slot_of[routed]))
-        store.grouped += 1
+        store.counters.grouped += 1
         y = None
         for group in groups:
             slots = store.acquire(layer, group)
@@ -48,6 +48,6 @@ class StreamingSwitch(nn.Module):
             y_group = self.pool_mlp(x, mx.array(self._slot_of[routed]))
             in_group = mx.array(np.isin(routed, group))[..., None]
             y = y_group if y is None else mx.where(in_group, y_group, y)
-            mx.eval(y)
+            store.sync(y)
         store.layer_done(layer)
         return y

@@ -1,0 +1,52 @@
+"""ResidencyStats: every counter of one streaming model's expert residency, in one object.
+
+The store, the prefetcher and the byte verifier each increment their own fields of the one object they are
+built with; ``reset`` clears them all at once (``staging_peak`` restarts from what is staged now), and
+``as_dict`` is what ``store.stats()`` reports. Each name has one meaning, given here.
+"""
+
+from __future__ import annotations
+
+#: name -> meaning. Integers unless the name ends in ``_s`` (seconds).
+FIELDS = {
+    "hits": "routed experts already resident at acquire",
+    "misses": "routed experts not resident at acquire: each is placed into the pool (experts placed)",
+    "prefetched": "of the misses, experts placed from the prefetcher's staging (the rest were demand-loaded)",
+    "evictions": "resident experts evicted to make room",
+    "demand_bytes": "bytes read on the main thread at acquire (demand reads)",
+    "read_s": "seconds spent in demand reads",
+    "place_s": "seconds placing bytes into the pool",
+    "fastpath": "MoE layer calls whose routed experts were all resident",
+    "fallback": "MoE layer calls with at least one routed expert not resident",
+    "grouped": "MoE layer calls that routed to more experts than fit and ran in groups",
+    "host_syncs": "the engine's waits for the device on the forward path: routes or predictions brought to the "
+                  "host, pool writes and expert groups evaluated, the deferred check",
+    "sync_s": "seconds spent in those waits",
+    "deferred_forwards": "forwards run with the miss check deferred to their end",
+    "deferred_retries": "of those, forwards rerun layer by layer because a routed expert was not resident",
+    "prefetch_submitted": "prefetch requests queued",
+    "prefetch_merged": "prefetch requests for an expert already queued, being read or staged",
+    "prefetch_over_budget": "prefetch requests refused because staging would pass its limit",
+    "prefetch_loads": "expert reads the prefetcher's threads completed",
+    "prefetch_hits": "acquires served from staging",
+    "prefetch_waited": "of those, acquires that waited for a read still running",
+    "prefetch_dropped": "stale staged entries discarded (queued, being read or read) and failed reads",
+    "prefetch_read_failures": "prefetch reads that failed (the demand read then serves)",
+    "prefetch_staging_peak": "most host bytes the prefetcher held at once",
+    "verify_calls": "experts checked by byte-truth verification",
+    "verify_ok": "experts whose every tensor matched its reference checksum",
+    "verify_bad": "experts with a tensor that did not",
+}
+
+
+class ResidencyStats:
+    def __init__(self):
+        self.reset()
+
+    def reset(self, staging_now: int = 0) -> None:
+        for name in FIELDS:
+            setattr(self, name, 0.0 if name.endswith("_s") else 0)
+        self.prefetch_staging_peak = staging_now
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in FIELDS}
