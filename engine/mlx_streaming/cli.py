@@ -131,6 +131,26 @@ def cmd_generate(args) -> None:
         _say(json.dumps(stats))
 
 
+def cmd_chat(args) -> None:
+    from .chat import chat
+
+    chat(_model_dir(args), _config(args), temp=args.temp, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_serve(args) -> None:
+    from .serve import serve
+
+    serve(_model_dir(args), _config(args), host=args.host, port=args.port, temp=args.temp, top_p=args.top_p)
+
+
+def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling (mlx-lm's sampler)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                   help=f"tokens per answer (default {max_tokens})")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+
+
 def cmd_evaluate(args) -> None:
     from .evaluate import evaluate
 
@@ -265,6 +285,23 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--processes", type=int, metavar="N",
                        help="noise floor: run the default benchmark in N fresh processes, report the spread")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("chat", help="chat interactively, answers streamed as they come, with mlx-lm's sampler",
+                       description="Chat on a streaming model through mlx-lm's stream_generate. Ctrl-C ends the answer; "
+                                   "Ctrl-D ends the session.")
+    _add_model_options(p)
+    _add_sampling_options(p, 256)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (mlx-lm's) on a streaming model",
+                       description="mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+                                   "/v1/models, streaming) on a streaming model built with the options below.")
+    _add_model_options(p)
+    _add_sampling_options(p, 512)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("evaluate", help="a trained model against its training report: held-out loss, MTP acceptance",
                        description="Held-out loss and MTP acceptance of a trained model (the default one unless "

@@ -1,0 +1,73 @@
+"""``mlx-streaming serve``: mlx-lm's OpenAI-compatible HTTP server on a streaming model.
+
+mlx-lm's server (its request handling, streaming by server-sent events, usage counts, prompt cache, samplers)
+runs unchanged; only its model provider is ours: ``StreamingModelProvider`` builds the streaming model with the
+engine's options instead of loading every weight. Requests run one at a time (no batching: every request goes
+through the one expert pool, token for token as mlx-lm's own path). Speculation: none in the server; greedy
+requests decode greedily, sampled ones sample with mlx-lm's sampler (MTP speculation is the Python API's and
+``bench``'s, see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mlx_lm import server as mlx_server
+
+from .config import StreamingConfig
+
+
+class StreamingModelProvider(mlx_server.ModelProvider):
+    """mlx-lm's model provider, building the one streaming model it serves (``--model`` or the default)."""
+
+    def __init__(self, cli_args: argparse.Namespace, model_dir: Path, config: StreamingConfig):
+        self.model_dir, self.config, self.streaming = Path(model_dir), config, None
+        super().__init__(cli_args)
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        from .errors import ConfigError
+        from .model import build_streaming_model
+
+        if adapter_path is not None or draft_model_path is not None:
+            raise ConfigError("serve: adapters and draft models are not supported on a streaming model")
+        if self.streaming is None:
+            self.streaming = build_streaming_model(self.model_dir, self.config)
+        self.model_key = (model_path, adapter_path, draft_model_path)
+        self.model, self.tokenizer = self.streaming.model, self.streaming.tokenizer
+        self.processor, self.draft_model, self.is_batchable = None, None, False
+
+
+class StreamingAPIHandler(mlx_server.APIHandler):
+    """mlx-lm's request handler; ``/v1/models`` lists the one model served (mlx-lm's lists the Hugging Face
+    download cache, which a streaming server neither uses nor needs)."""
+
+    def handle_models_request(self):
+        self._set_completion_headers(200)
+        self.end_headers()
+        model = str(Path(self.response_generator.cli_args.model).resolve())
+        body = {"object": "list", "data": [{"id": model, "object": "model", "created": self.created}]}
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
+
+
+def server_args(model_dir: Path, host: str, port: int, max_tokens: int, temp: float, top_p: float) -> argparse.Namespace:
+    """The settings mlx-lm's server reads from its command line, with its own defaults."""
+    return argparse.Namespace(
+        model=str(model_dir), adapter_path=None, draft_model=None, num_draft_tokens=3, host=host, port=port,
+        allowed_origins=["*"], trust_remote_code=False, chat_template="", use_default_chat_template=False,
+        temp=temp, top_p=top_p, top_k=0, min_p=0.0, max_tokens=max_tokens, chat_template_args={},
+        decode_concurrency=1, prompt_concurrency=1, prefill_step_size=2048, prompt_cache_size=4,
+        prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=0, pipeline=False,
+        log_level="INFO")
+
+
+def serve(model_dir: Path, config: StreamingConfig, host: str, port: int, temp: float, top_p: float) -> None:
+    args = server_args(model_dir, host, port, config.max_tokens, temp, top_p)
+    provider = StreamingModelProvider(args, model_dir, config)
+    provider.load_default()  # build now: a bad option fails here, in one line, not at the first request
+    # mlx_server.run takes a handler_class but does not pass it on (mlx-lm 0.32.2), so its three lines are
+    # repeated here with ours; _run_http_server is private to mlx-lm's server.
+    generator = mlx_server.ResponseGenerator(provider, mlx_server.LRUPromptCache(args.prompt_cache_size))
+    mlx_server._run_http_server(host, port, generator, handler_class=StreamingAPIHandler)
