@@ -21,7 +21,7 @@ def pytest_configure(config):
 def tiny_synth(tmp_path_factory):
     """The tiny synthetic checkpoint (seed 0) in both layouts, made once per session: for the tests of the
     synthetic writer and of extract-mtp (the suite's model is the embedded trained one)."""
-    from mlx_streaming.checkpoint.synth import synth_checkpoint
+    from mlx_streaming.harness.synth import synth_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     return {layout: synth_checkpoint(root / layout, preset="tiny", seed=0, layout=layout) for layout in ("mlx", "hf")}

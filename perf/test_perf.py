@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mlx_streaming import perf_gate
+from mlx_streaming.harness import perf_gate
 from mlx_streaming.generate import greedy_generate
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate

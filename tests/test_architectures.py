@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.utils import load_model
 
 from mlx_streaming.adapters.switch_layers import experts_per_token
-from mlx_streaming.checkpoint.arch_synth import TINY_ARCHS, synth_arch
+from mlx_streaming.harness.arch_synth import TINY_ARCHS, synth_arch
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import UnsupportedModelError
 from mlx_streaming.generate import greedy_generate, greedy_steps

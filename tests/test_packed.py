@@ -56,7 +56,7 @@ def test_missing_or_truncated_packed_files_are_named(tmp_path, model_dir, packed
 
 
 def test_raw_read_probe_reads_one_expert_per_call(model_dir, packed_dir):
-    from mlx_streaming.bench import raw_read_probe
+    from mlx_streaming.harness.bench import raw_read_probe
     from mlx_streaming.model import open_checkpoint
 
     scattered = open_checkpoint(model_dir, StreamingConfig()).index

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mlx_streaming import perf_gate
+from mlx_streaming.harness import perf_gate
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.generate import greedy_generate
 from mlx_streaming.model import build_streaming_model

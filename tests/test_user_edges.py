@@ -13,7 +13,7 @@ import pytest
 from mlx_streaming.cache.verify import ExpertVerifyError
 from mlx_streaming.checkpoint.manifest import MANIFEST_FILE
 from mlx_streaming.checkpoint.output import MARKER_FILE
-from mlx_streaming.checkpoint.synth import synth_checkpoint
+from mlx_streaming.harness.synth import synth_checkpoint
 from mlx_streaming.config import StreamingConfig, format_size, parse_size
 from mlx_streaming.errors import CheckpointError, OutputError
 from mlx_streaming.model import build_streaming_model

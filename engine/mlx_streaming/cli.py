@@ -95,11 +95,11 @@ def _write_json(path: str, result) -> None:
 
 def cmd_synth(args) -> None:
     if args.arch:
-        from .checkpoint.arch_synth import synth_arch
+        from .harness.arch_synth import synth_arch
 
         print(synth_arch(args.out, args.arch, seed=args.seed))
         return
-    from .checkpoint.synth import synth_checkpoint
+    from .harness.synth import synth_checkpoint
 
     print(synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout))
 
@@ -107,7 +107,7 @@ def cmd_synth(args) -> None:
 def cmd_generate(args) -> None:
     from .generate import greedy_steps
     from .model import build_streaming_model
-    from .report import counters_line, diagnostics_report
+    from .harness.report import counters_line, diagnostics_report
 
     config = _config(args)
     with build_streaming_model(_model_dir(args), config) as sm:
@@ -132,13 +132,13 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    from .chat import chat
+    from .harness.chat import chat
 
     chat(_model_dir(args), _config(args), temp=args.temp, top_p=args.top_p, seed=args.seed)
 
 
 def cmd_serve(args) -> None:
-    from .serve import serve
+    from .harness.serve import serve
 
     serve(_model_dir(args), _config(args), host=args.host, port=args.port, temp=args.temp, top_p=args.top_p)
 
@@ -152,7 +152,7 @@ def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def cmd_evaluate(args) -> None:
-    from .evaluate import evaluate
+    from .harness.evaluate import evaluate
 
     result = evaluate(_model_dir(args), _config(args), loss_sequences=args.loss_sequences, prompts=args.prompts,
                       new_tokens=args.new_tokens)
@@ -162,7 +162,7 @@ def cmd_evaluate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from . import bench
+    from .harness import bench
 
     if args.processes:
         result = bench.noise_floor(_without(args.argv, ("--processes", "--json", "--dump-ids")), args.processes)
@@ -177,7 +177,7 @@ def cmd_bench(args) -> None:
         result = bench.prefetch_report(_model_dir(args), _config(args))
         print(bench.prefetch_table(result))
     elif args.gate_power:
-        from . import gate_power
+        from .harness import gate_power
 
         result = gate_power.study(_model_dir(args), _config(args))
         print(gate_power.table(result))

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from tqdm import tqdm
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 HELDOUT_FILE = "heldout.safetensors"
 REPORT_FILE = "training_report.json"
@@ -61,8 +61,8 @@ def heldout_loss(model, sequences: mx.array, batch: int = 8) -> float:
 
 def mtp_acceptance(streaming_model, prompts: Sequence[Sequence[int]], new_tokens: int, ks=(2, 3, 4)) -> Dict[str, float]:
     """Accepted drafts per verify step of real speculative decoding, pooled over ``prompts``, per K."""
-    from .mtp.drafter import MTPDrafter
-    from .mtp.speculative import mtp_generate
+    from ..mtp.drafter import MTPDrafter
+    from ..mtp.speculative import mtp_generate
 
     result = {}
     for k in ks:
@@ -82,7 +82,7 @@ def evaluate(model_dir: Path, config, loss_sequences: int = 8, prompts: int = 16
     on the same sequences, and MTP acceptance (our engine) next to the training report's."""
     from mlx_lm import load
 
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
 
     report = training_report(model_dir)
     sequences = heldout_sequences(model_dir)

@@ -19,9 +19,9 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 from ..errors import ConfigError
-from .manifest import write_manifest
-from .output import fresh_folder
-from .tokenizer_files import write_byte_tokenizer
+from ..checkpoint.manifest import write_manifest
+from ..checkpoint.output import fresh_folder
+from ..checkpoint.tokenizer_files import write_byte_tokenizer
 
 TINY_ARCHS = json.loads((Path(__file__).parent / "tiny_archs.json").read_text())
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import format_size
+from ..config import format_size
 
 
 def counters_line(stats: dict, covers: str) -> str:

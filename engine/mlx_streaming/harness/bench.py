@@ -21,12 +21,12 @@ from typing import Callable, List
 
 import mlx.core as mx
 
-from .config import StreamingConfig
-from .generate import greedy_generate, greedy_steps
-from .mtp.drafter import MTPDrafter
-from .mtp.profile import union_profile
-from .mtp.speculative import mtp_generate
-from .mtp.triage import first_divergence
+from ..config import StreamingConfig
+from ..generate import greedy_generate, greedy_steps
+from ..mtp.drafter import MTPDrafter
+from ..mtp.profile import union_profile
+from ..mtp.speculative import mtp_generate
+from ..mtp.triage import first_divergence
 from .report import diagnostics_report
 
 
@@ -71,8 +71,8 @@ def _timed_runs(label: str, once: Callable[[], tuple], store, repeat: int) -> tu
 
 def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False) -> dict:
     """One benchmark of ``config`` on ``model_dir``: the result dict the CLI prints and perf tests store."""
-    from .model import build_streaming_model
-    from .metrics.memory import memory_snapshot
+    from ..model import build_streaming_model
+    from .memory import memory_snapshot
 
     mx.reset_peak_memory()
     _say(f"building the streaming model from {model_dir}")
@@ -181,7 +181,7 @@ def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=
     mode (the full pool only buffered: it reads each expert once)."""
     from mlx_lm.utils import load_tokenizer
 
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
 
     prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
     inmemory = _inmemory(model_dir, config, prompt_ids)
@@ -244,7 +244,7 @@ def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0) -> di
     the disk's rate at the expert read size, in this io mode, without the engine around it."""
     import numpy as np
 
-    from .io.reader import ExpertReader
+    from ..io.reader import ExpertReader
 
     rng = np.random.default_rng(seed)
     picks = [(int(rng.choice(index.layers)), int(rng.integers(index.num_experts))) for _ in range(experts)]
@@ -279,7 +279,7 @@ def _demand_gbps(stats: dict) -> float:
 def io_report(model_dir: Path, config: StreamingConfig) -> dict:
     """Raw disk rate at the expert read size, then greedy decoding at the configured pool and io mode: the
     engine's demand-load rate (bytes read / seconds in demand reads) against the raw rate."""
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
 
     with build_streaming_model(model_dir, config) as sm:
         _say(f"raw read probe ({config.io_mode})")
@@ -302,7 +302,7 @@ PREFETCH_ROWS = (("naive (pool = top_k)", True, False, 0, 1), ("LRU", False, Fal
 
 
 def _prefetch_row(model_dir: Path, config: StreamingConfig, label: str) -> dict:
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
 
     _say(f"{label}: building")
     with build_streaming_model(model_dir, config) as sm:
@@ -323,7 +323,7 @@ def prefetch_report(model_dir: Path, config: StreamingConfig) -> dict:
     """Greedy decoding side by side: the pool at its minimum, the configured LRU pool, and LRU with prefetch
     (ahead 0 and 1, mult 1 and 2, with diagnostics), plus the raw disk rate at the expert read size. With
     ``packed_dir`` the LRU and prefetch rows run again on the packed layout."""
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
 
     with build_streaming_model(model_dir, config.replace(packed_dir=None)) as sm:
         _say(f"raw read probe ({config.io_mode})")
@@ -374,7 +374,7 @@ def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
     the engine's host syncs and the seconds it waited in them; the ids of every row against in-memory."""
     from mlx_lm.utils import load_tokenizer
 
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
 
     prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
     inmemory = _inmemory(model_dir, config, prompt_ids)

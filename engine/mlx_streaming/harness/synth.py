@@ -23,11 +23,11 @@ from tqdm import tqdm
 
 from ..errors import ConfigError
 from ..mtp.head import MTPHead
-from .manifest import write_manifest
-from .mtp_extract import MTP_FILE, convert_mtp
-from .output import fresh_folder, writer_metadata
-from .quantize import quant_plan, quantization_block, quantize_weights
-from .tokenizer_files import write_byte_tokenizer
+from ..checkpoint.manifest import write_manifest
+from ..checkpoint.mtp_extract import MTP_FILE, convert_mtp
+from ..checkpoint.output import fresh_folder, writer_metadata
+from ..checkpoint.quantize import quant_plan, quantization_block, quantize_weights
+from ..checkpoint.tokenizer_files import write_byte_tokenizer
 
 LAYOUTS = ("mlx", "hf")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mlx_lm import server as mlx_server
 
-from .config import StreamingConfig
+from ..config import StreamingConfig
 
 
 class StreamingModelProvider(mlx_server.ModelProvider):
@@ -27,8 +27,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         super().__init__(cli_args)
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        from .errors import ConfigError
-        from .model import build_streaming_model
+        from ..errors import ConfigError
+        from ..model import build_streaming_model
 
         if adapter_path is not None or draft_model_path is not None:
             raise ConfigError("serve: adapters and draft models are not supported on a streaming model")

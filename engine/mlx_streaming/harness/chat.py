@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from .config import StreamingConfig
+from ..config import StreamingConfig
 
 
 def _turn_tokens(tokenizer, text: str) -> list:
@@ -26,7 +26,7 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
     from .report import counters_line
 
     mx.random.seed(seed)

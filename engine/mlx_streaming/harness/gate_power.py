@@ -21,8 +21,8 @@ from typing import Dict, List
 import numpy as np
 
 from . import perf_gate
-from .config import StreamingConfig
-from .generate import greedy_generate
+from ..config import StreamingConfig
+from ..generate import greedy_generate
 
 FRACTIONS = (0.05, 0.10, 0.20)
 
@@ -59,7 +59,7 @@ def simulate(baseline: List[float], current: List[float], rounds: int, runs: int
 
 def study(model_dir: Path, config: StreamingConfig, pool_rounds: int = 30, rounds: int = 15, tokens: int = 12,
           runs: int = 400, threshold: float = perf_gate.DEFAULT_THRESHOLD) -> Dict:
-    from .model import build_streaming_model
+    from ..model import build_streaming_model
 
     unit = perf_gate.cost_unit()
     with build_streaming_model(model_dir, config.with_pool(pool_fraction=0.25).replace(io_mode="direct")) as sm:

@@ -1,0 +1,1 @@
+"""The harness around the engine: benchmarks, the perf gate and its power study, the pytest plugin, evaluation against the training run, synthetic checkpoints, memory and counter reports, chat and serve."""

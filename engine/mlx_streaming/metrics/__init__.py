@@ -1,1 +1,0 @@
-"""Memory snapshots and their breakdown."""
