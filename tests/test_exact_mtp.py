@@ -1,12 +1,12 @@
 """Speculative ids against greedy ids, token by token: 4 prompts x K in {2, 3, 4} x both Gated-DeltaNet
-commit modes x pools at 100% and 25%. A divergence within the near-tie tolerance is reported (see the
-exactness section of the run's summary); any other fails."""
+commit modes x pools at 100% and 25%. The greedy ids and margins are the in-memory oracle's (mlx-lm's own
+model, computed once per prompt for the whole session). A divergence within the near-tie tolerance is
+reported (see the exactness section of the run's summary); any other fails."""
 
 import dataclasses
 
 import pytest
 
-from mlx_streaming.generate import greedy_generate
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
@@ -19,29 +19,22 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module", params=[1.0, 0.25], ids=["pool100", "pool25"])
 def spec_setup(request, model_dir, mtp_path, streaming_config, mtp_model):
-    """(model with MTP, pool fraction, greedy ids and margins per prompt)."""
+    """(model with MTP, pool fraction): built once per pool, shared by every prompt, K and mode."""
     if request.param == 1.0:
-        sm, owned = mtp_model, None
-    else:
-        slots = round(mtp_model.store.index.num_experts * request.param)
-        owned = sm = build_streaming_model(model_dir, streaming_config.replace(mtp=True, mtp_path=str(mtp_path), pool_slots=slots))
-    greedy = {}
-    for i, prompt in enumerate(TEST_PROMPTS):
-        margins = []
-        greedy[i] = (greedy_generate(sm.model, sm.tokenizer.encode(prompt), MAX_TOKENS, margins=margins), margins)
-    yield sm, request.param, greedy
-    if owned is not None:
-        owned.close()
+        yield mtp_model, request.param
+        return
+    slots = round(mtp_model.store.index.num_experts * request.param)
+    with build_streaming_model(model_dir, streaming_config.replace(mtp=True, mtp_path=str(mtp_path), pool_slots=slots)) as sm:
+        yield sm, request.param
 
 
 @pytest.mark.parametrize("verify_mode", ["direct", "replay"])
 @pytest.mark.parametrize("K", [2, 3, 4])
 @pytest.mark.parametrize("prompt", range(len(TEST_PROMPTS)))
-def test_speculative_ids_equal_greedy_ids(spec_setup, prompt, K, verify_mode, record_property):
-    sm, pool, greedy = spec_setup
-    greedy_ids, margins = greedy[prompt]
-    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), sm.tokenizer.encode(TEST_PROMPTS[prompt]),
-                              MAX_TOKENS, K, verify_mode)
+def test_speculative_ids_equal_greedy_ids(spec_setup, oracle, prompt_ids, prompt, K, verify_mode, record_property):
+    sm, pool = spec_setup
+    greedy_ids, margins = oracle.ids(prompt, MAX_TOKENS), oracle.margins(prompt, MAX_TOKENS)
+    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids[prompt], MAX_TOKENS, K, verify_mode)
     divergence = first_divergence(ids, greedy_ids, margins)
     record_property(EXACTNESS_KEY, {
         "prompt": prompt, "K": K, "verify_mode": verify_mode, "pool": f"{pool:.0%}",

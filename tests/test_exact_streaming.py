@@ -10,9 +10,9 @@ from mlx_streaming.model import build_streaming_model
 pytestmark = pytest.mark.exact
 
 
-def test_full_pool_logits_are_bit_identical(streaming_model, reference_model, prompt_ids):
+def test_full_pool_logits_are_bit_identical(streaming_model, oracle, prompt_ids):
     assert streaming_model.store.capacity == streaming_model.store.index.num_experts
-    pairs = zip(greedy_steps(reference_model, prompt_ids[0], 33), greedy_steps(streaming_model.model, prompt_ids[0], 33))
+    pairs = zip(zip(oracle.ids(0, 33), oracle.logits(0, 33)), greedy_steps(streaming_model.model, prompt_ids[0], 33))
     steps = 0
     for (ref_id, ref_logits), (id_, logits) in pairs:
         assert id_ == ref_id
@@ -22,22 +22,33 @@ def test_full_pool_logits_are_bit_identical(streaming_model, reference_model, pr
 
 
 @pytest.mark.parametrize("io_mode", ["buffered", "direct"])
-def test_minimum_pool_greedy_ids_match(model_dir, reference_model, prompt_ids, io_mode):
+def test_minimum_pool_greedy_ids_match(model_dir, reference_model, oracle, prompt_ids, io_mode):
     top_k = reference_model.args.num_experts_per_tok
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=top_k, io_mode=io_mode)) as sm:
-        for ids in prompt_ids[:3]:
-            assert greedy_generate(sm.model, ids, 64) == greedy_generate(reference_model, ids, 64)
-        assert sm.store.evictions > 0 and sm.store.misses > 0
+        for prompt, ids in enumerate(prompt_ids[:3]):
+            assert greedy_generate(sm.model, ids, 64) == oracle.ids(prompt, 64)
+        stats = sm.store.stats()
+        assert stats["evictions"] > 0 and stats["misses"] > 0
         assert set(sm.store.reader.effective_modes.values()) == {io_mode}
+
+
+#: Prompt tokens of the one-chunk prefill below: already past the union of experts that a pool of top_k + 2
+#: slots holds in every MoE layer (each layer routes them to 14 to 30 distinct experts).
+LONG_PROMPT_TOKENS = 64
 
 
 def test_long_prompt_with_pool_below_one_layers_union_runs_in_groups(model_dir, reference_model, streaming_model):
     tokenizer = streaming_model.tokenizer
     text = "def f(x):\n    return x * 2 + 1\n" * 40
-    ids = tokenizer.encode(text)[:512]
-    assert len(ids) == 512
+    ids = tokenizer.encode(text)[:LONG_PROMPT_TOKENS]
+    assert len(ids) == LONG_PROMPT_TOKENS
     top_k = reference_model.args.num_experts_per_tok
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=top_k + 2)) as sm:
-        got = greedy_generate(sm.model, ids, 16, prefill_chunk=512)
-        assert sm.store.grouped > 0  # the prefill routed to more experts than the pool holds
-    assert got == greedy_generate(reference_model, ids, 16, prefill_chunk=512)
+        sm.store.union_log = []
+        got = greedy_generate(sm.model, ids, 16, prefill_chunk=LONG_PROMPT_TOKENS)
+        prefill = [(layer, experts) for layer, tokens, experts in sm.store.union_log if tokens == LONG_PROMPT_TOKENS]
+        # the one prefill forward routed every MoE layer to more experts than the pool holds
+        assert {layer for layer, _ in prefill} == set(sm.store.index.layers)
+        assert all(experts > sm.store.capacity for _, experts in prefill), prefill
+        assert sm.store.stats()["grouped"] >= len(prefill)
+    assert got == greedy_generate(reference_model, ids, 16, prefill_chunk=LONG_PROMPT_TOKENS)

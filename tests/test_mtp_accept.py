@@ -1,11 +1,11 @@
 """Accept paths with an oracle drafter: it proposes the known greedy continuation with planted errors, so
-every accept length from 0 to K-1 occurs, in both commit modes, and the statistics are known exactly."""
+every accept length from 0 to K-1 occurs, in both commit modes, and the statistics are known exactly. The
+greedy continuation is the in-memory oracle's (computed once per prompt for the whole session)."""
 
 import itertools
 
 import pytest
 
-from mlx_streaming.generate import greedy_generate
 from mlx_streaming.mtp.speculative import mtp_generate
 
 pytestmark = pytest.mark.exact
@@ -46,10 +46,10 @@ def expected(plan, K):
 
 @pytest.mark.parametrize("verify_mode", ["direct", "replay"])
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_every_accept_length_commits_exactly(mtp_model, prompt_ids, K, verify_mode):
+def test_every_accept_length_commits_exactly(mtp_model, oracle, prompt_ids, K, verify_mode):
     sm = mtp_model
     ids = prompt_ids[1]
-    greedy = greedy_generate(sm.model, ids, MAX_TOKENS + K)
+    greedy = oracle.ids(1, MAX_TOKENS + K)
     plan = list(itertools.islice(itertools.cycle(range(K)), 64))  # accept 0, 1, .., K-1, 0, 1, ..
     drafter = OracleDrafter(greedy, plan, len(ids), sm.model.args.vocab_size)
     out, stats = mtp_generate(sm.model, drafter, ids, MAX_TOKENS, K, verify_mode)

@@ -4,7 +4,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_streaming.generate import greedy_generate
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
 from mlx_streaming.mtp.triage import BF16_ULP, first_divergence, tolerance_for
@@ -42,12 +41,11 @@ class VerifyNudge(nn.Module):
 
 
 @pytest.mark.parametrize("near_tie", [True, False])
-def test_planted_perturbation_is_triaged(mtp_model, prompt_ids, near_tie):
+def test_planted_perturbation_is_triaged(mtp_model, oracle, prompt_ids, near_tie):
     """Flip the verify's choice at the closest greedy step (a near-tie) or at the widest (a bug)."""
     sm = mtp_model
     ids = prompt_ids[0]
-    margins = []
-    greedy = greedy_generate(sm.model, ids, 24, margins=margins)
+    greedy, margins = oracle.ids(0, 24), oracle.margins(0, 24)
     pick = min if near_tie else max
     step = pick(range(1, len(margins)), key=lambda i: margins[i][2])  # decode steps only: the verify sees them
     top1, top2, gap, top1_logit = margins[step]
