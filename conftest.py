@@ -1,5 +1,5 @@
 """Repo-level test setup. Fixtures, options and markers come from the installed plugin
-(``mlx_streaming.pytest_plugin``, registered through the ``pytest11`` entry point); this file only says where
+(``mlx_streaming.harness.pytest_plugin``, registered through the ``pytest11`` entry point); this file only says where
 this repository keeps its recorded benchmark baselines: ``baselines/<machine profile>/`` (pytest-benchmark's
 own storage, one folder per machine id)."""
 

@@ -1,4 +1,4 @@
-"""Perf scenarios (pytest-benchmark). Each round is one greedy or speculative decode of ``--perf-tokens``
+"""Perf scenarios (pytest-benchmark). Each round is one greedy or speculative decode of ``--streaming-perf-tokens``
 tokens from a fresh cache (the pool stays warm); ``extra_info`` holds each round's cost per generated token
 in the gate's unit (``perf_gate.cost_unit``: CPU seconds here, wall seconds on a GPU), the wall seconds beside
 it, and the work counters of the first timed round (so they do not depend on the number of rounds). The
@@ -28,7 +28,7 @@ EXACT_WITHOUT_PREFETCH = EXACT + ("demand_loads", "bytes_read", "read_calls", "v
 
 @pytest.fixture(scope="module")
 def perf(request):
-    return {"tokens": request.config.getoption("--perf-tokens"), "rounds": request.config.getoption("--perf-rounds")}
+    return {"tokens": request.config.getoption("--streaming-perf-tokens"), "rounds": request.config.getoption("--streaming-perf-rounds")}
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from mlx_streaming.model import build_streaming_model
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
 from mlx_streaming.mtp.triage import first_divergence
-from mlx_streaming.pytest_plugin import EXACTNESS_KEY, TEST_PROMPTS
+from mlx_streaming.harness.pytest_plugin import EXACTNESS_KEY, TEST_PROMPTS
 
 pytestmark = pytest.mark.exact
 MAX_TOKENS = 32

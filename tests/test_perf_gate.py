@@ -103,7 +103,7 @@ def test_each_work_counter_has_its_one_definition(model_dir, prompt_ids, prefetc
 def _run_perf(root, storage, *extra, plant=0.0):
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "perf", "-p", "no:xdist", "-q",
-         "perf/test_perf.py::test_greedy_quarter_pool_direct", "--perf-tokens", "4", "--perf-rounds", "5",
+         "perf/test_perf.py::test_greedy_quarter_pool_direct", "--streaming-perf-tokens", "4", "--streaming-perf-rounds", "5",
          f"--benchmark-storage=file://{storage}", *extra],
         capture_output=True, text=True, timeout=600, cwd=root,
         # inside an xdist worker: pytest-benchmark would see the worker's variables and disable itself

@@ -10,7 +10,7 @@ from mlx_streaming.harness.synth import synth_checkpoint
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.generate import greedy_generate
 from mlx_streaming.model import build_streaming_model
-from mlx_streaming.pytest_plugin import TEST_PROMPTS
+from mlx_streaming.harness.pytest_plugin import TEST_PROMPTS
 
 
 def test_mlx_layout_files_and_config(tiny_synth):
