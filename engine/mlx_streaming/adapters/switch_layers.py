@@ -135,26 +135,34 @@ def decoder_layer_list(model: nn.Module, sites: Mapping[int, ExpertSite]) -> Lis
     return holder
 
 
-class WrappedLayer(nn.Module):
-    """A decoder layer that calls ``before(index, x)`` first; every other attribute is the layer's own."""
+class _StandIn(nn.Module):
+    """A module standing in for ``inner`` on the built model: every attribute it lacks is ``inner``'s, so the
+    model's own code (``layer.is_linear``, ``self.model.layers``) sees the wrapped module."""
 
-    def __init__(self, layer: nn.Module, index: int, before: Callable[[int, mx.array], None]):
+    def __init__(self, inner: nn.Module):
         super().__init__()
-        self.layer = layer
-        self.index = index
-        self._before = before
+        self.inner = inner
 
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if "layer" not in self:  # still in __init__
+            if "inner" not in self:  # still in __init__
                 raise
-            return getattr(self["layer"], name)
+            return getattr(self["inner"], name)
+
+
+class WrappedLayer(_StandIn):
+    """A decoder layer that calls ``before(index, x)`` first; every other attribute is the layer's own."""
+
+    def __init__(self, layer: nn.Module, index: int, before: Callable[[int, mx.array], None]):
+        super().__init__(layer)
+        self.index = index
+        self._before = before
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         self._before(self.index, x)
-        return self.layer(x, *args, **kwargs)
+        return self.inner(x, *args, **kwargs)
 
 
 def wrap_layers(model: nn.Module, sites: Mapping[int, ExpertSite], before: Callable[[int, mx.array], None]) -> None:
@@ -164,38 +172,29 @@ def wrap_layers(model: nn.Module, sites: Mapping[int, ExpertSite], before: Calla
         layers[i] = WrappedLayer(layer, i, before)
 
 
-class DeferredCheckStack(nn.Module):
+class DeferredCheckStack(_StandIn):
     """The decoder stack (the module that runs the layers list) of a streaming model. A forward the store
     lets defer its miss check runs with no per-layer sync; if a routed expert turns out not to be resident,
     the caches are restored and the forward runs again, layer by layer (same ids, same counters)."""
 
     def __init__(self, stack: nn.Module, store):
-        super().__init__()
-        self.stack = stack
+        super().__init__(stack)
         self._store = store
         self._signature = inspect.signature(type(stack).__call__)
 
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if "stack" not in self:  # still in __init__
-                raise
-            return getattr(self["stack"], name)
-
     def __call__(self, *args, **kwargs):
         self._store.plant()
-        bound = self._signature.bind(self.stack, *args, **kwargs).arguments
+        bound = self._signature.bind(self.inner, *args, **kwargs).arguments
         inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
         saved = snapshot_caches(cache)
         tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
         if saved is None or not self._store.begin_forward(tokens):
-            return self.stack(*args, **kwargs)
-        out = self.stack(*args, **kwargs)
+            return self.inner(*args, **kwargs)
+        out = self.inner(*args, **kwargs)
         if self._store.end_forward(out):
             return out
         restore_caches(cache, saved)
-        return self.stack(*args, **kwargs)
+        return self.inner(*args, **kwargs)
 
 
 def snapshot_caches(cache) -> Optional[list]:
@@ -236,4 +235,4 @@ def defer_miss_checks(model: nn.Module, sites: Mapping[int, ExpertSite], store) 
 
 def unwrap(layer: nn.Module) -> nn.Module:
     """The decoder layer itself, whether or not ``wrap_layers`` wrapped it."""
-    return layer.layer if isinstance(layer, WrappedLayer) else layer
+    return layer.inner if isinstance(layer, WrappedLayer) else layer
