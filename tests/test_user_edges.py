@@ -101,8 +101,10 @@ def test_extract_mtp_refuses_a_file_it_did_not_write(tmp_path, tiny_synth):
 
 
 def _interrupt(args, after_s):
+    # an xdist worker ignores SIGINT and a child inherits that: give the command the default a terminal gives
     process = subprocess.Popen([sys.executable, "-m", "mlx_streaming", *map(str, args)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(after_s)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
