@@ -38,8 +38,12 @@ WORK_COUNTERS = {
     "spec_steps": "speculative verify steps",
     "accepted_drafts": "drafts accepted by speculative verification",
 }
-#: Default slowdown the gate tolerates before failing (and only when it is also statistically clear).
-DEFAULT_THRESHOLD = 0.05
+#: Default slowdown the gate tolerates before failing (and only when it is also statistically clear). Set
+#: from data: on the 2-core CI machine an unchanged tree's CPU seconds per token moved by up to 23% between
+#: runs half an hour apart (x1.231 for full-pool greedy, x0.835 for mlx-lm in-memory, 2026-12-03), far more
+#: than within one run; 5% failed an unchanged tree there. 0.30 keeps such runs green and still fails gross
+#: slowdowns; the exact work counters are the fine-grained check.
+DEFAULT_THRESHOLD = 0.30
 RESAMPLES = 4000
 CONFIDENCE = 0.95
 
