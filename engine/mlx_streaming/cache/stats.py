@@ -22,6 +22,8 @@ FIELDS = {
     "host_syncs": "the engine's waits for the device on the forward path: routes or predictions brought to the "
                   "host, pool writes and expert groups evaluated, the deferred check",
     "sync_s": "seconds spent in those waits",
+    "route_s": "seconds of host bookkeeping of routes: distinct experts, residency and miss checks, LRU touches, "
+               "hit counts (not waits, reads or placement)",
     "deferred_forwards": "forwards run with the miss check deferred to their end",
     "deferred_retries": "of those, forwards rerun layer by layer because a routed expert was not resident",
     "prefetch_submitted": "prefetch requests queued",

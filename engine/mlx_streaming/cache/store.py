@@ -60,7 +60,9 @@ class ExpertStore:
         self.miss_check = miss_check
         #: Test-only planted slowdown: CPU seconds burnt at the start of every forward (``plant``).
         self.plant_s = plant_s
-        #: Per layer, expert id -> slot on the device (non-resident experts point at slot 0); None when stale.
+        #: Per layer, expert id -> slot on the host (-1: not resident), kept with every placement and eviction.
+        self._slots = {layer: np.full(index.num_experts, -1, dtype=np.int32) for layer in index.layers}
+        #: The same on the device (non-resident experts point at slot 0), for deferred forwards; None when stale.
         self._tables: Dict[int, mx.array] = dict.fromkeys(index.layers)
         self.deferring = False
         self._deferred: List[tuple] = []
@@ -112,15 +114,16 @@ class ExpertStore:
 
     def route(self, layer: int, routed: np.ndarray) -> List[int]:
         """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts."""
-        experts = [int(e) for e in np.unique(routed)]
+        start = time.perf_counter()
+        distinct = np.unique(routed)
         if self.union_log is not None:
-            self.union_log.append((layer, routed.size // routed.shape[-1], len(experts)))
-        policy = self.policies[layer]
-        if all(policy.slot(e) is not None for e in experts):
+            self.union_log.append((layer, routed.size // routed.shape[-1], distinct.size))
+        if (self._slots[layer][distinct] >= 0).all():
             self.counters.fastpath += 1
         else:
             self.counters.fallback += 1
-        return experts
+        self.counters.route_s += time.perf_counter() - start
+        return distinct.tolist()
 
     # ------------------------------------------------------------ the deferred miss check
 
@@ -147,40 +150,48 @@ class ExpertStore:
     def defer(self, layer: int, indices: mx.array) -> mx.array:
         """Slots for ``indices`` from the device-side table; the routes are kept for ``end_forward``."""
         if self._tables[layer] is None:
-            policy = self.policies[layer]
-            self._tables[layer] = mx.array([policy.slot(e) or 0 for e in range(self.index.num_experts)], dtype=mx.int32)
+            self._tables[layer] = mx.array(np.maximum(self._slots[layer], 0))
         self._deferred.append((layer, indices))
         return self._tables[layer][indices]
 
     def end_forward(self, output: mx.array) -> bool:
-        """Evaluate the deferred forward's ``output`` and routes (one sync); when every routed expert was
-        resident account them as the layer-by-layer path would and return True; else change nothing and
-        return False (the caller restores its caches and runs the forward again, layer by layer)."""
+        """Evaluate the deferred forward's ``output`` and routes (one sync, one transfer of every layer's routes);
+        when every routed expert was resident account them as the layer-by-layer path would and return True;
+        else change nothing and return False (the caller restores its caches and runs the forward again, layer
+        by layer)."""
         routes, self._deferred, self.deferring = self._deferred, [], False
         start = time.perf_counter()
-        mx.eval(output, [indices for _, indices in routes])
-        hosted = [(layer, np.array(indices)) for layer, indices in routes]
+        flat = mx.concatenate([indices.reshape(-1) for _, indices in routes]) if routes else mx.zeros((0,), mx.uint32)
+        mx.eval(output, flat)
+        hosted = np.array(flat)
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
-        if any(self.policies[layer].slot(int(e)) is None for layer, routed in hosted for e in np.unique(routed)):
+        start = time.perf_counter()  # the miss check
+        bounds = np.cumsum([indices.size for _, indices in routes])[:-1]
+        per_layer = [(layer, routed.reshape(indices.shape)) for (layer, indices), routed in zip(routes, np.split(hosted, bounds))]
+        resident = all((self._slots[layer][routed] >= 0).all() for layer, routed in per_layer)
+        self.counters.route_s += time.perf_counter() - start
+        if resident:
+            self._defer_backoff = 1
+            for layer, routed in per_layer:
+                self.acquire(layer, self.route(layer, routed))
+                self.layer_done(layer)
+        else:
             self.counters.deferred_retries += 1
             self._defer_wait, self._defer_backoff = self._defer_backoff, min(64, 2 * self._defer_backoff)
-            return False
-        self._defer_backoff = 1
-        for layer, routed in hosted:
-            self.acquire(layer, self.route(layer, routed))
-            self.layer_done(layer)
-        return True
+        return resident
 
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
         """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
+        start = time.perf_counter()
         policy = self.policies[layer]
-        missing = [e for e in experts if policy.slot(e) is None]
-        loose = sum(e not in policy.pinned for e in experts)
-        if loose > self.capacity - len(policy.pinned):
+        slots, pinned = self._slots[layer], policy.pinned
+        missing = [e for e in experts if slots[e] < 0]
+        loose = sum(e not in pinned for e in experts)
+        if loose > self.capacity - len(pinned):
             raise PoolTooSmallError(
                 f"layer {layer}: {loose} unpinned experts needed at once, but the pool has "
-                f"{self.capacity - len(policy.pinned)} unpinned slots (pool_slots={self.capacity})"
+                f"{self.capacity - len(pinned)} unpinned slots (pool_slots={self.capacity})"
             )
         if self.record:
             self._routed[layer][list(experts)] += 1
@@ -189,9 +200,10 @@ class ExpertStore:
         self.counters.hits += len(experts) - len(missing)
         for e in experts:
             policy.touch(e)
+        self.counters.route_s += time.perf_counter() - start
         if missing:
             self._load(layer, missing, protected=set(experts))
-        return [policy.slot(e) for e in experts]
+        return self._slots[layer][experts].tolist()
 
     def _load(self, layer: int, experts: List[int], protected: set) -> None:
         """Take prefetched bytes from staging and read the rest in one batch, all before any slot changes
@@ -220,9 +232,13 @@ class ExpertStore:
         start = time.perf_counter()
         pool, policy = self.pools[layer], self.policies[layer]
         placed = []
+        slots = self._slots[layer]
         for expert in experts:
             slot, evicted = policy.place(expert, protected)
-            self.counters.evictions += evicted is not None
+            if evicted is not None:
+                self.counters.evictions += 1
+                slots[evicted] = -1
+            slots[expert] = slot
             for s, buf in zip(slices[expert], staged[expert]):
                 pool[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
             placed.append((expert, slot))

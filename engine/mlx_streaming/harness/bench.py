@@ -35,13 +35,14 @@ def _say(text: str) -> None:
 
 
 def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int) -> tuple:
-    """(decode tok/s, ids): the clock starts once the prompt's prefill gave the first token."""
+    """(decode tok/s, ids): the clock starts once the prompt's prefill gave the first token (0 tok/s for one
+    token: nothing was decoded)."""
     ids, start = [], None
     for token, _ in greedy_steps(model, prompt_ids, max_tokens, prefill_chunk):
         ids.append(token)
         if start is None:
             start = time.perf_counter()
-    return (max_tokens - 1) / (time.perf_counter() - start), ids
+    return (max_tokens - 1) / (time.perf_counter() - start) if max_tokens > 1 else 0.0, ids
 
 
 def _spread(rates: List[float]) -> dict:
@@ -206,7 +207,7 @@ def sweep_table(rows: List[dict]) -> str:
 
     body = [[r["scenario"], r["io_mode"], r["pool_slots"], r["tok_s"]["median"], r.get("hits", "-"), r.get("disk_loads", "-"),
              r["bytes_read"] / 1e6 if "bytes_read" in r else "-", r["ids_match"]] for r in rows]
-    return tabulate(body, headers=["scenario", "io mode", "slots/layer", "decode tok/s", "hits/tok", "disk loads/tok", "MB read/tok", "ids = in-memory"], floatfmt=".2f")
+    return tabulate(body, headers=["scenario", "io mode", "slots/layer", "decode tok/s", "hits/tok", "disk loads/tok", "MB read/tok", "ids = in-memory"], floatfmt=".2f", missingval="-")
 
 
 def noise_floor(argv: List[str], processes: int) -> dict:
@@ -370,49 +371,74 @@ def prefetch_table(report: dict) -> str:
 def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
     """The engine's own cost per token: mlx-lm's in-memory greedy against streaming greedy (and MTP
     speculation where the model has a head) at the configured pool, with the miss check per MoE layer and
-    per token. Per row: decode tok/s (median), ms per token, and per generated token of the last timed run
-    the engine's host syncs and the seconds it waited in them; the ids of every row against in-memory."""
+    per token. Per row: decode tok/s (median), ms per token, and per decoded token of the last timed run (its
+    prefill's counters subtracted) the engine's host syncs and the store's timed parts; the ids of every row
+    against in-memory."""
     from mlx_lm.utils import load_tokenizer
 
     from ..model import build_streaming_model
 
     prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
     inmemory = _inmemory(model_dir, config, prompt_ids)
-    rows = [{"path": "mlx-lm in-memory greedy", "miss_check": "-", "tok_s": inmemory["tok_s"], "ids_match": True}]
+    rows = [{"path": "mlx-lm in-memory greedy", "miss_check": None, "tok_s": inmemory["tok_s"], "ids_match": True}]
     has_mtp = (Path(model_dir) / "mtp.safetensors").exists() or config.mtp_path
     for miss_check in ("layer", "token"):
         with build_streaming_model(model_dir, config.replace(miss_check=miss_check, mtp=bool(has_mtp))) as sm:
-            rates, ids, counters, s = _greedy_runs(sm, config, f"greedy, miss check per {miss_check}")
-            rows.append(_overhead_row("streaming greedy", miss_check, rates, s, len(ids), ids == inmemory["ids"], sm))
-            if has_mtp:
-                def spec_once():
-                    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, config.max_tokens,
-                                              config.k, config.verify_mode, config.prefill_chunk)
-                    return stats["decode_tok_s"], ids
-                spec_once()  # warm-up
-                rates, (ids,), _ = _timed_runs(f"MTP K={config.k}, miss check per {miss_check}", spec_once, sm.store,
-                                               config.repeat)
-                rows.append(_overhead_row(f"streaming MTP K={config.k}", miss_check, rates, sm.store.stats(), len(ids),
-                                          ids == inmemory["ids"], sm))
+            def greedy(n):
+                return timed_greedy(sm.model, prompt_ids, n, config.prefill_chunk)
+
+            def speculative(n):
+                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, config.k,
+                                          config.verify_mode, config.prefill_chunk)
+                return stats["decode_tok_s"], ids
+
+            paths = [("streaming greedy", greedy)] + ([(f"streaming MTP K={config.k}", speculative)] if has_mtp else [])
+            for path, once in paths:
+                once(max(2, config.warmup_tokens))
+                prefill = _prefill_stats(sm.store, once)
+                rates, (ids,), _ = _timed_runs(f"{path}, miss check per {miss_check}", lambda: once(config.max_tokens),
+                                               sm.store, config.repeat)
+                decode = {k: v - prefill[k] for k, v in sm.store.stats().items() if k in prefill}
+                rows.append(_overhead_row(path, miss_check, rates, decode, len(ids) - 1, ids == inmemory["ids"], sm))
     return {"model": str(model_dir), "device": str(mx.default_device()), "io_mode": config.io_mode,
             "max_tokens": config.max_tokens, "warmup": config.warmup_tokens, "repeat": config.repeat, "rows": rows}
 
 
+def _prefill_stats(store, once: Callable[[int], tuple]) -> dict:
+    """The store's counters for the prompt's prefill alone (``once(1)``: a run that decodes nothing)."""
+    store.reset_stats()
+    once(1)
+    return {k: v for k, v in store.stats().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def _overhead_row(path: str, miss_check: str, rates, stats: dict, tokens: int, ids_match: bool, sm) -> dict:
+    ms = 1000 / statistics.median(rates)
+    parts = {part: 1000 * stats[f"{part}_s"] / tokens for part in OVERHEAD_PARTS}
     return {"path": path, "miss_check": miss_check, "pool_slots": sm.store.capacity, "tok_s": _spread(rates),
-            "host_syncs_per_token": stats["host_syncs"] / tokens, "sync_ms_per_token": 1000 * stats["sync_s"] / tokens,
+            "host_syncs_per_token": stats["host_syncs"] / tokens, "ms_per_token": ms,
+            **{f"{part}_ms_per_token": value for part, value in parts.items()},
+            "other_ms_per_token": ms - sum(parts.values()),
             "deferred_forwards": stats["deferred_forwards"], "deferred_retries": stats["deferred_retries"],
             "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]), "ids_match": ids_match}
+
+
+#: The store's timed parts of a step, reported per token by ``bench --overhead`` (``cache.stats.FIELDS``).
+OVERHEAD_PARTS = ("sync", "route", "read", "place")
 
 
 def overhead_table(report: dict) -> str:
     from tabulate import tabulate
 
     base = report["rows"][0]["tok_s"]["median"]
-    body = [[r["path"], r["miss_check"], r.get("pool_slots", "-"), r["tok_s"]["median"], 1000 / r["tok_s"]["median"],
-             r["tok_s"]["median"] / base, r.get("host_syncs_per_token", "-"), r.get("sync_ms_per_token", "-"),
-             f"{r.get('deferred_retries', '-')}/{r.get('deferred_forwards', '-')}", r["ids_match"]] for r in report["rows"]]
+    body = [[r["path"], r["miss_check"], r.get("pool_slots"), r["tok_s"]["median"], 1000 / r["tok_s"]["median"],
+             r["tok_s"]["median"] / base, r.get("host_syncs_per_token"),
+             *(r.get(f"{part}_ms_per_token") for part in (*OVERHEAD_PARTS, "other")),
+             f"{r['deferred_retries']}/{r['deferred_forwards']}" if "deferred_forwards" in r else None, r["ids_match"]]
+            for r in report["rows"]]
     return (tabulate(body, headers=["path", "miss check", "pool", "tok/s", "ms/token", "x in-memory", "host syncs/token",
-                                    "sync wait ms/token", "retried/deferred", "ids = in-memory"], floatfmt=".2f")
+                                    "wait ms", "route ms", "read ms", "place ms", "other ms", "retried/deferred",
+                                    "ids = in-memory"], floatfmt=".2f", missingval="-")
             + f"\n{report['device']}  io_mode={report['io_mode']}  max_tokens={report['max_tokens']} "
-              f"warmup={report['warmup']} repeat={report['repeat']} (median); counters: the last timed run, per token")
+              f"warmup={report['warmup']} repeat={report['repeat']} (median). Per decoded token of the last timed run "
+              f"(its prefill's counters subtracted): host syncs; the host's wait for the device, route bookkeeping, demand reads and "
+              f"pool placement (ms); other = ms/token minus those: building the step's graph and Python outside the store")
