@@ -58,3 +58,11 @@ def test_placing_a_resident_expert_or_pinning_an_absent_one_is_refused():
         p.place(1)
     with pytest.raises(ValueError):
         p.pin(7)
+
+
+def test_identity_slots_put_each_expert_in_its_own_slot():
+    p = LRUSlots(4, identity=True)
+    assert [p.place(e)[0] for e in (2, 0, 3)] == [2, 0, 3]
+    assert p.place(1) == (1, None)
+    with pytest.raises(ValueError):
+        p.place(2)

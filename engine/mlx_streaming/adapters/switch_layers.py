@@ -172,10 +172,35 @@ def wrap_layers(model: nn.Module, sites: Mapping[int, ExpertSite], before: Calla
         layers[i] = WrappedLayer(layer, i, before)
 
 
+def run_forward(store, signature: inspect.Signature, call: Callable, module: nn.Module, args, kwargs):
+    """One forward of a streaming model through ``call(module, *args, **kwargs)`` (the model's own call or its
+    decoder stack's; ``signature`` is ``call``'s). Only the outermost entry counts: a forward the store lets
+    defer its miss check runs with no per-layer sync and is checked once, when its output is evaluated; if a
+    routed expert turns out not to be resident, the caches are restored and the forward runs again, layer by
+    layer (same ids, same counters)."""
+    if store.in_forward:
+        return call(module, *args, **kwargs)
+    store.in_forward = True
+    try:
+        store.plant()
+        bound = signature.bind(module, *args, **kwargs).arguments
+        inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
+        saved = snapshot_caches(cache)
+        tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
+        if saved is None or not store.begin_forward(tokens):
+            return call(module, *args, **kwargs)
+        out = call(module, *args, **kwargs)
+        if store.end_forward(out):
+            return out
+        restore_caches(cache, saved)
+        return call(module, *args, **kwargs)
+    finally:
+        store.in_forward = False
+
+
 class DeferredCheckStack(_StandIn):
-    """The decoder stack (the module that runs the layers list) of a streaming model. A forward the store
-    lets defer its miss check runs with no per-layer sync; if a routed expert turns out not to be resident,
-    the caches are restored and the forward runs again, layer by layer (same ids, same counters)."""
+    """The decoder stack (the module that runs the layers list) of a streaming model, run by ``run_forward``
+    (the MTP drafter and verify call the stack directly, for its hidden states)."""
 
     def __init__(self, stack: nn.Module, store):
         super().__init__(stack)
@@ -183,18 +208,25 @@ class DeferredCheckStack(_StandIn):
         self._signature = inspect.signature(type(stack).__call__)
 
     def __call__(self, *args, **kwargs):
-        self._store.plant()
-        bound = self._signature.bind(self.inner, *args, **kwargs).arguments
-        inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
-        saved = snapshot_caches(cache)
-        tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
-        if saved is None or not self._store.begin_forward(tokens):
-            return self.inner(*args, **kwargs)
-        out = self.inner(*args, **kwargs)
-        if self._store.end_forward(out):
-            return out
-        restore_caches(cache, saved)
-        return self.inner(*args, **kwargs)
+        return run_forward(self._store, self._signature, type(self.inner).__call__, self.inner, args, kwargs)
+
+
+_CHECKED_MODEL_CLASSES: Dict[type, type] = {}
+
+
+def _checked_model_class(cls: type) -> type:
+    """``cls`` with its call run by ``run_forward``, so that the deferred check evaluates the logits with the
+    routes (one wait for the device per token, not one for the stack's output and one for the logits). A
+    subclass, set on the instance, because the built model must stay the mlx-lm model object users hand to
+    mlx-lm (its type, attributes and parameter tree), and Python looks ``__call__`` up on the type."""
+    if cls not in _CHECKED_MODEL_CLASSES:
+        signature = inspect.signature(cls.__call__)
+
+        def __call__(self, *args, **kwargs):
+            return run_forward(self.streaming_store, signature, cls.__call__, self, args, kwargs)
+
+        _CHECKED_MODEL_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _CHECKED_MODEL_CLASSES[cls]
 
 
 def snapshot_caches(cache) -> Optional[list]:
@@ -222,15 +254,17 @@ def restore_caches(cache: list, saved: list) -> None:
 
 
 def defer_miss_checks(model: nn.Module, sites: Mapping[int, ExpertSite], store) -> None:
-    """Wrap the decoder stack of ``model`` (the module holding its layers list) in a ``DeferredCheckStack``."""
+    """Run every forward of ``model`` through ``run_forward``: its own call, and its decoder stack's (the module
+    holding its layers list, where that is not the model itself)."""
     keys = next(iter(sites.values())).prefix.split(".")
     at = next(i for i, key in enumerate(keys) if key.isdigit())
-    if at < 2:  # the layers list sits on the model itself: no stack module to wrap
-        return
-    parent = model
-    for key in keys[:at - 2]:
-        parent = _child(parent, key)
-    setattr(parent, keys[at - 2], DeferredCheckStack(_child(parent, keys[at - 2]), store))
+    if at >= 2:
+        parent = model
+        for key in keys[:at - 2]:
+            parent = _child(parent, key)
+        setattr(parent, keys[at - 2], DeferredCheckStack(_child(parent, keys[at - 2]), store))
+    model.streaming_store = store
+    model.__class__ = _checked_model_class(type(model))
 
 
 def unwrap(layer: nn.Module) -> nn.Module:

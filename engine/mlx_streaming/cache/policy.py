@@ -9,10 +9,12 @@ from ..errors import PoolTooSmallError
 
 
 class LRUSlots:
-    """Which expert sits in which of ``capacity`` slots; unpinned residents are evicted least recently used first."""
+    """Which expert sits in which of ``capacity`` slots; unpinned residents are evicted least recently used first.
+    With ``identity`` (a pool with a slot for every expert: nothing is ever evicted) expert e sits in slot e."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, identity: bool = False):
         self.capacity = capacity
+        self.identity = identity
         self._slot_of: Dict[int, int] = {}
         self._recency: "OrderedDict[int, None]" = OrderedDict()  # unpinned residents, oldest first
         self._pinned: set = set()
@@ -31,7 +33,10 @@ class LRUSlots:
         if expert in self._slot_of:
             raise ValueError(f"expert {expert} is already resident")
         evicted = None
-        if self._free:
+        if self.identity:
+            slot = expert
+            self._free.remove(slot)
+        elif self._free:
             slot = self._free.pop()
         else:
             evicted = next((e for e in self._recency if e not in protected), None)

@@ -29,6 +29,11 @@ def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
     return arr.view(mx.bfloat16) if dtype == "BF16" else arr
 
 
+def _distinct(routed: np.ndarray) -> List[int]:
+    """The distinct expert ids of one layer call's routes, ascending (a set beats ``np.unique`` at these sizes)."""
+    return sorted(set(routed.ravel().tolist()))
+
+
 class ExpertStore:
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
                  verifier=None, prefetcher=None, predictor=None, miss_check: str = "token", plant_s: float = 0.0,
@@ -50,7 +55,9 @@ class ExpertStore:
             for layer in index.layers
         }
         mx.eval(self.pools)
-        self.policies = {layer: LRUSlots(self.capacity) for layer in index.layers}
+        #: A pool with a slot for every expert keeps expert e in slot e: routes index it directly.
+        self.identity_slots = self.capacity == index.num_experts
+        self.policies = {layer: LRUSlots(self.capacity, self.identity_slots) for layer in index.layers}
         self.record = record
         #: When a list, every layer call appends (layer, tokens in the call, distinct experts routed): the
         #: union-of-experts profile. Off (None) unless asked for.
@@ -65,6 +72,7 @@ class ExpertStore:
         #: The same on the device (non-resident experts point at slot 0), for deferred forwards; None when stale.
         self._tables: Dict[int, mx.array] = dict.fromkeys(index.layers)
         self.deferring = False
+        self.in_forward = False  # a forward of the model is running (``adapters.switch_layers.run_forward``)
         self._deferred: List[tuple] = []
         self._defer_wait = 0  # forwards to run layer by layer before deferring again
         self._defer_backoff = 1
@@ -115,15 +123,19 @@ class ExpertStore:
     def route(self, layer: int, routed: np.ndarray) -> List[int]:
         """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts."""
         start = time.perf_counter()
-        distinct = np.unique(routed)
+        experts = _distinct(routed)
         if self.union_log is not None:
-            self.union_log.append((layer, routed.size // routed.shape[-1], distinct.size))
-        if (self._slots[layer][distinct] >= 0).all():
+            self.union_log.append((layer, routed.size // routed.shape[-1], len(experts)))
+        if self._resident(layer, experts):
             self.counters.fastpath += 1
         else:
             self.counters.fallback += 1
         self.counters.route_s += time.perf_counter() - start
-        return distinct.tolist()
+        return experts
+
+    def _resident(self, layer: int, experts: Sequence[int]) -> bool:
+        slots = self._slots[layer]
+        return all(slots[e] >= 0 for e in experts)
 
     # ------------------------------------------------------------ the deferred miss check
 
@@ -148,10 +160,13 @@ class ExpertStore:
         return True
 
     def defer(self, layer: int, indices: mx.array) -> mx.array:
-        """Slots for ``indices`` from the device-side table; the routes are kept for ``end_forward``."""
+        """Slots for ``indices`` from the device-side table (``indices`` themselves with identity slots); the
+        routes are kept for ``end_forward``."""
+        self._deferred.append((layer, indices))
+        if self.identity_slots:
+            return indices
         if self._tables[layer] is None:
             self._tables[layer] = mx.array(np.maximum(self._slots[layer], 0))
-        self._deferred.append((layer, indices))
         return self._tables[layer][indices]
 
     def end_forward(self, output: mx.array) -> bool:
@@ -169,7 +184,7 @@ class ExpertStore:
         start = time.perf_counter()  # the miss check
         bounds = np.cumsum([indices.size for _, indices in routes])[:-1]
         per_layer = [(layer, routed.reshape(indices.shape)) for (layer, indices), routed in zip(routes, np.split(hosted, bounds))]
-        resident = all((self._slots[layer][routed] >= 0).all() for layer, routed in per_layer)
+        resident = all(self._resident(layer, _distinct(routed)) for layer, routed in per_layer)
         self.counters.route_s += time.perf_counter() - start
         if resident:
             self._defer_backoff = 1
@@ -203,7 +218,8 @@ class ExpertStore:
         self.counters.route_s += time.perf_counter() - start
         if missing:
             self._load(layer, missing, protected=set(experts))
-        return self._slots[layer][experts].tolist()
+        slots = self._slots[layer]
+        return [int(slots[e]) for e in experts]
 
     def _load(self, layer: int, experts: List[int], protected: set) -> None:
         """Take prefetched bytes from staging and read the rest in one batch, all before any slot changes

@@ -38,7 +38,7 @@ class StreamingSwitch(nn.Module):
         if len(groups) == 1:
             self._slot_of[experts] = store.acquire(layer, experts)
             store.layer_done(layer)
-            return self.pool_mlp(x, mx.array(self._slot_of[routed]))
+            return self.pool_mlp(x, indices if store.identity_slots else mx.array(self._slot_of[routed]))
         store.counters.grouped += 1
         y = None
         for group in groups:
