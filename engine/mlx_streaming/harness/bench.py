@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 
@@ -34,15 +34,18 @@ def _say(text: str) -> None:
     print(f"[bench] {text}", file=sys.stderr, flush=True)
 
 
-def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int) -> tuple:
-    """(decode tok/s, ids): the clock starts once the prompt's prefill gave the first token (0 tok/s for one
-    token: nothing was decoded)."""
+def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int,
+                 on_decode: Optional[Callable[[], None]] = None) -> tuple:
+    """(decode tok/s, ids): the clock starts once the prompt's prefill gave the first token, where
+    ``on_decode()`` is called."""
     ids, start = [], None
     for token, _ in greedy_steps(model, prompt_ids, max_tokens, prefill_chunk):
         ids.append(token)
         if start is None:
+            if on_decode is not None:
+                on_decode()
             start = time.perf_counter()
-    return (max_tokens - 1) / (time.perf_counter() - start) if max_tokens > 1 else 0.0, ids
+    return (max_tokens - 1) / (time.perf_counter() - start), ids
 
 
 def _spread(rates: List[float]) -> dict:
@@ -371,51 +374,69 @@ def prefetch_table(report: dict) -> str:
 def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
     """The engine's own cost per token: mlx-lm's in-memory greedy against streaming greedy (and MTP
     speculation where the model has a head) at the configured pool, with the miss check per MoE layer and
-    per token. Per row: decode tok/s (median), ms per token, and per decoded token of the last timed run (its
-    prefill's counters subtracted) the engine's host syncs and the store's timed parts; the ids of every row
-    against in-memory."""
-    from mlx_lm.utils import load_tokenizer
+    per token. Per row: decode tok/s (median), ms per token, the process's CPU ms per decoded token (median)
+    and, from the last timed run, the engine's host syncs and the store's timed parts per decoded token; the
+    ids of every row against in-memory. Every per-token figure counts from the end of the prompt's prefill."""
+    import mlx_lm
 
     from ..model import build_streaming_model
 
-    prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
-    inmemory = _inmemory(model_dir, config, prompt_ids)
-    rows = [{"path": "mlx-lm in-memory greedy", "miss_check": None, "tok_s": inmemory["tok_s"], "ids_match": True}]
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    prompt_ids = tokenizer.encode(config.prompt)
+    rates, cpu, ids, _ = _decode_costs("mlx-lm in-memory greedy", _greedy_path(model, prompt_ids, config), None, config)
+    inmemory_ids = ids
+    rows = [{"path": "mlx-lm in-memory greedy", "miss_check": None, "tok_s": _spread(rates), "cpu_ms_per_token": cpu,
+             "ids_match": True}]
+    del model
+    mx.clear_cache()
     has_mtp = (Path(model_dir) / "mtp.safetensors").exists() or config.mtp_path
     for miss_check in ("layer", "token"):
         with build_streaming_model(model_dir, config.replace(miss_check=miss_check, mtp=bool(has_mtp))) as sm:
-            def greedy(n):
-                return timed_greedy(sm.model, prompt_ids, n, config.prefill_chunk)
-
-            def speculative(n):
+            def speculative(n, on_decode):
                 ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, config.k,
-                                          config.verify_mode, config.prefill_chunk)
+                                          config.verify_mode, config.prefill_chunk, on_decode)
                 return stats["decode_tok_s"], ids
 
-            paths = [("streaming greedy", greedy)] + ([(f"streaming MTP K={config.k}", speculative)] if has_mtp else [])
+            paths = [("streaming greedy", _greedy_path(sm.model, prompt_ids, config))]
+            paths += [(f"streaming MTP K={config.k}", speculative)] if has_mtp else []
             for path, once in paths:
-                once(max(2, config.warmup_tokens))
-                prefill = _prefill_stats(sm.store, once)
-                rates, (ids,), _ = _timed_runs(f"{path}, miss check per {miss_check}", lambda: once(config.max_tokens),
-                                               sm.store, config.repeat)
-                decode = {k: v - prefill[k] for k, v in sm.store.stats().items() if k in prefill}
-                rows.append(_overhead_row(path, miss_check, rates, decode, len(ids) - 1, ids == inmemory["ids"], sm))
+                rates, cpu, ids, decode = _decode_costs(f"{path}, miss check per {miss_check}", once, sm.store, config)
+                rows.append(_overhead_row(path, miss_check, rates, cpu, decode, len(ids) - 1, ids == inmemory_ids, sm))
     return {"model": str(model_dir), "device": str(mx.default_device()), "io_mode": config.io_mode,
             "max_tokens": config.max_tokens, "warmup": config.warmup_tokens, "repeat": config.repeat, "rows": rows}
 
 
-def _prefill_stats(store, once: Callable[[int], tuple]) -> dict:
-    """The store's counters for the prompt's prefill alone (``once(1)``: a run that decodes nothing)."""
-    store.reset_stats()
-    once(1)
-    return {k: v for k, v in store.stats().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def _greedy_path(model, prompt_ids, config: StreamingConfig) -> Callable:
+    return lambda n, on_decode: timed_greedy(model, prompt_ids, n, config.prefill_chunk, on_decode)
 
 
-def _overhead_row(path: str, miss_check: str, rates, stats: dict, tokens: int, ids_match: bool, sm) -> dict:
+def _decode_costs(label: str, once: Callable, store, config: StreamingConfig) -> tuple:
+    """Warm ``once`` up (``once(n, on_decode)`` decodes ``n`` tokens and calls ``on_decode()`` once the prompt is
+    prefilled; it returns (tok/s, ids)), then ``config.repeat`` runs of ``config.max_tokens``: (tok/s per run,
+    median CPU ms per decoded token, the last run's ids, the store's counters of the last run's decode; {}
+    without a store). CPU time and counters start at ``on_decode``."""
+    once(max(2, config.warmup_tokens), None)
+    rates, cpus, started = [], [], []
+
+    def on_decode():
+        if store is not None:
+            store.reset_stats()
+        started.append(time.process_time())
+
+    for i in range(config.repeat):
+        _say(f"{label}: run {i + 1}/{config.repeat}")
+        rate, ids = once(config.max_tokens, on_decode)
+        cpus.append(1000 * (time.process_time() - started[-1]) / (len(ids) - 1))
+        rates.append(rate)
+    return rates, statistics.median(cpus), ids, store.stats() if store is not None else {}
+
+
+def _overhead_row(path: str, miss_check: str, rates, cpu_ms: float, stats: dict, tokens: int, ids_match: bool,
+                  sm) -> dict:
     ms = 1000 / statistics.median(rates)
     parts = {part: 1000 * stats[f"{part}_s"] / tokens for part in OVERHEAD_PARTS}
     return {"path": path, "miss_check": miss_check, "pool_slots": sm.store.capacity, "tok_s": _spread(rates),
-            "host_syncs_per_token": stats["host_syncs"] / tokens, "ms_per_token": ms,
+            "cpu_ms_per_token": cpu_ms, "host_syncs_per_token": stats["host_syncs"] / tokens, "ms_per_token": ms,
             **{f"{part}_ms_per_token": value for part, value in parts.items()},
             "other_ms_per_token": ms - sum(parts.values()),
             "deferred_forwards": stats["deferred_forwards"], "deferred_retries": stats["deferred_retries"],
@@ -429,16 +450,19 @@ OVERHEAD_PARTS = ("sync", "route", "read", "place")
 def overhead_table(report: dict) -> str:
     from tabulate import tabulate
 
-    base = report["rows"][0]["tok_s"]["median"]
+    base = report["rows"][0]
     body = [[r["path"], r["miss_check"], r.get("pool_slots"), r["tok_s"]["median"], 1000 / r["tok_s"]["median"],
-             r["tok_s"]["median"] / base, r.get("host_syncs_per_token"),
+             r["tok_s"]["median"] / base["tok_s"]["median"], r["cpu_ms_per_token"],
+             r["cpu_ms_per_token"] - base["cpu_ms_per_token"], r.get("host_syncs_per_token"),
              *(r.get(f"{part}_ms_per_token") for part in (*OVERHEAD_PARTS, "other")),
              f"{r['deferred_retries']}/{r['deferred_forwards']}" if "deferred_forwards" in r else None, r["ids_match"]]
             for r in report["rows"]]
-    return (tabulate(body, headers=["path", "miss check", "pool", "tok/s", "ms/token", "x in-memory", "host syncs/token",
-                                    "wait ms", "route ms", "read ms", "place ms", "other ms", "retried/deferred",
-                                    "ids = in-memory"], floatfmt=".2f", missingval="-")
+    return (tabulate(body, headers=["path", "miss check", "pool", "tok/s", "ms/token", "x in-memory", "CPU ms/token",
+                                    "CPU ms over in-memory", "host syncs/token", "wait ms", "route ms", "read ms",
+                                    "place ms", "other ms", "retried/deferred", "ids = in-memory"],
+                     floatfmt=".2f", missingval="-")
             + f"\n{report['device']}  io_mode={report['io_mode']}  max_tokens={report['max_tokens']} "
-              f"warmup={report['warmup']} repeat={report['repeat']} (median). Per decoded token of the last timed run "
-              f"(its prefill's counters subtracted): host syncs; the host's wait for the device, route bookkeeping, demand reads and "
-              f"pool placement (ms); other = ms/token minus those: building the step's graph and Python outside the store")
+              f"warmup={report['warmup']} repeat={report['repeat']} (tok/s and CPU ms: medians). Per decoded token, from "
+              f"the end of the prompt's prefill; the counters and parts from the last timed run: host syncs; the host's "
+              f"wait for the device, route bookkeeping, demand reads and pool placement (ms); other = ms/token minus "
+              f"those: building the step's graph and Python outside the store")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -68,8 +68,10 @@ class _Clock:
 
 
 def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: int = 3,
-                 verify_mode: str = "direct", prefill_chunk: int = 256) -> Tuple[List[int], dict]:
-    """``max_tokens`` ids equal to greedy decoding's, and the run's statistics."""
+                 verify_mode: str = "direct", prefill_chunk: int = 256,
+                 on_decode: Optional[Callable[[], None]] = None) -> Tuple[List[int], dict]:
+    """``max_tokens`` ids equal to greedy decoding's, and the run's statistics. ``on_decode()`` is called once
+    the prompt is prefilled (a benchmark starts its counters there)."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
     if K < 2:
@@ -86,6 +88,8 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
         hiddens.append(hidden)
     x = int(mx.argmax(logits[0, -1]))
     out = [x]
+    if on_decode is not None:
+        on_decode()
     clock.lap("prefill")
     drafter.extend(list(prompt_ids[1:]) + [x], mx.concatenate(hiddens, axis=1))
 
