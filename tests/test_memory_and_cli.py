@@ -63,3 +63,20 @@ def test_bench_sweep_and_noise_floor_modes(model_dir, tmp_path):
     report = json.loads(noise.stdout)
     assert report["processes"] == 2 and len(report["greedy_tok_s"]["values"]) == 2
     assert report["ids_identical_across_processes"] and report["disk_loads_identical"]
+
+
+def test_bench_overhead_splits_each_token_and_counts_one_sync_per_warm_deferred_token(model_dir):
+    from mlx_streaming.config import StreamingConfig
+    from mlx_streaming.harness import bench
+
+    report = bench.overhead_report(model_dir, StreamingConfig(max_tokens=6, warmup_tokens=24, repeat=1))
+    rows = {(r["path"], r["miss_check"]): r for r in report["rows"]}
+    assert all(r["ids_match"] for r in report["rows"])
+    layer, token = rows["streaming greedy", "layer"], rows["streaming greedy", "token"]
+    assert layer["host_syncs_per_token"] == 8  # one per MoE layer call, decode only (the prefill is not counted)
+    assert token["host_syncs_per_token"] == 1 and token["deferred_retries"] == 0  # the warm full pool
+    parts = ("sync", "route", "read", "place", "other")
+    assert abs(sum(token[f"{p}_ms_per_token"] for p in parts) - token["ms_per_token"]) < 1e-6
+    assert token["route_ms_per_token"] > 0 and token["cpu_ms_per_token"] > 0
+    table = bench.overhead_table(report)
+    assert "CPU ms over in-memory" in table and "route ms" in table
