@@ -5,12 +5,15 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.utils import load_tokenizer
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlx_streaming.config import StreamingConfig
@@ -71,11 +74,27 @@ def _get(url, body=None):
         return response.read().decode()
 
 
+def _post(url, raw: bytes):
+    """(HTTP status, body) of a POST of ``raw``, error statuses included."""
+    request = urllib.request.Request(url, data=raw, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve") / "stderr.txt"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, server_log):
     port = _free_port()
+    log = server_log.open("w")
     process = subprocess.Popen([sys.executable, "-m", "mlx_streaming", "serve", "--port", str(port), "--pool-slots", "12"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -87,6 +106,14 @@ def server(model_dir):
     yield url
     process.terminate()
     process.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def inmemory_greedy(model_dir):
+    """``text(prompt, n)``: mlx-lm's in-memory greedy continuation, the server's reference."""
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    return lambda prompt, n: mlx_lm.generate(model, tokenizer, prompt, max_tokens=n)
 
 
 def test_server_lists_its_model(server, model_dir):
@@ -94,9 +121,9 @@ def test_server_lists_its_model(server, model_dir):
     assert [m["id"] for m in models] == [str(model_dir.resolve())]
 
 
-def test_server_greedy_completion_equals_in_memory_greedy(server, model_dir):
-    model, tokenizer = mlx_lm.load(str(model_dir))
-    expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
+def test_server_greedy_completion_equals_in_memory_greedy(server, model_dir, inmemory_greedy):
+    tokenizer = load_tokenizer(model_dir)
+    expected = inmemory_greedy(PROMPT, 16)
     reply = json.loads(_get(f"{server}/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}))
     assert reply["choices"][0]["text"] == expected
     assert reply["usage"]["completion_tokens"] == 16 and reply["usage"]["prompt_tokens"] == len(tokenizer.encode(PROMPT))
@@ -108,3 +135,62 @@ def test_server_streams_server_sent_events(server):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert len(chunks) >= 6 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_server_answers_bad_requests_with_a_4xx_and_a_message(server, server_log, model_dir):
+    url = f"{server}/v1/completions"
+    status, body = _post(url, b'{"prompt": "def f(", "max_tok')
+    assert status == 400 and "Invalid JSON" in body
+    for bad in (0, -1):
+        status, body = _post(url, json.dumps({"prompt": PROMPT, "max_tokens": bad}).encode())
+        assert status == 400 and "max_tokens" in json.loads(body)["error"]
+    status, body = _post(url, json.dumps({"prompt": PROMPT, "max_tokens": 2, "model": "some/other-model"}).encode())
+    assert status == 404 and "'some/other-model' is not served here" in json.loads(body)["error"]
+    status, _ = _post(url, json.dumps({"prompt": PROMPT, "max_tokens": 2, "model": model_dir.name}).encode())
+    assert status == 200
+    assert "Traceback" not in server_log.read_text()
+
+
+def test_server_chat_completion_and_stop_string(server):
+    status, body = _post(f"{server}/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}).encode())
+    reply = json.loads(body)
+    assert status == 200 and reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 4
+    assert reply["choices"][0]["message"]["role"] == "assistant" and reply["choices"][0]["finish_reason"] == "length"
+    # mlx-lm's server (in memory too) ends the answer at a stop string after the first token, and leaves it out
+    status, body = _post(f"{server}/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": ["\n"]}).encode())
+    reply = json.loads(body)
+    assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] < 24
+    assert reply["choices"][0]["text"].strip() and "\n" not in reply["choices"][0]["text"]
+
+
+def test_server_goes_on_after_a_client_disconnects_mid_stream(server, inmemory_greedy):
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 48, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=120) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while b"data: " not in received:  # read until the first token arrives, then hang up
+            chunk = s.recv(4096)
+            assert chunk, received
+            received += chunk
+    status, reply = _post(f"{server}/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 16, "temperature": 0}).encode())
+    assert status == 200 and json.loads(reply)["choices"][0]["text"] == inmemory_greedy(PROMPT, 16)
+
+
+def test_server_answers_two_clients_at_once_each_its_own(server, inmemory_greedy):
+    prompts = [PROMPT, "import os\n"]
+    answers = {}
+
+    def ask(prompt):
+        _, body = _post(f"{server}/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 12, "temperature": 0}).encode())
+        answers[prompt] = json.loads(body)["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert answers == {p: inmemory_greedy(p, 12) for p in prompts}

@@ -32,11 +32,22 @@ class StreamingModelProvider(mlx_server.ModelProvider):
 
         if adapter_path is not None or draft_model_path is not None:
             raise ConfigError("serve: adapters and draft models are not supported on a streaming model")
+        if model_path not in self.names():
+            # mlx-lm answers a failed load with 404 and this message
+            raise ConfigError(f"model {model_path!r} is not served here; this server serves {self.served_id()!r}")
         if self.streaming is None:
             self.streaming = build_streaming_model(self.model_dir, self.config)
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer = self.streaming.model, self.streaming.tokenizer
         self.processor, self.draft_model, self.is_batchable = None, None, False
+
+    def served_id(self) -> str:
+        """The model's id in ``/v1/models``: its folder's absolute path."""
+        return str(self.model_dir.resolve())
+
+    def names(self) -> set:
+        """What a request's ``model`` may say: the id, the folder as given on the command line, or its name."""
+        return {self.served_id(), str(self.model_dir), self.model_dir.name}
 
 
 class StreamingAPIHandler(mlx_server.APIHandler):
@@ -46,7 +57,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def handle_models_request(self):
         self._set_completion_headers(200)
         self.end_headers()
-        model = str(Path(self.response_generator.cli_args.model).resolve())
+        model = self.response_generator.model_provider.served_id()
         body = {"object": "list", "data": [{"id": model, "object": "model", "created": self.created}]}
         self.wfile.write(json.dumps(body).encode())
         self.wfile.flush()
