@@ -194,3 +194,20 @@ def test_server_answers_two_clients_at_once_each_its_own(server, inmemory_greedy
     for t in threads:
         t.join(timeout=300)
     assert answers == {p: inmemory_greedy(p, 12) for p in prompts}
+
+
+def test_server_answers_the_official_openai_client(server, model_dir, inmemory_greedy):
+    import openai  # the test extra: pip install -e '.[test]'
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="not-needed", timeout=120)
+    assert [m.id for m in client.models.list()] == [str(model_dir.resolve())]
+    completion = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert completion.choices[0].text == inmemory_greedy(PROMPT, 16) and completion.usage.completion_tokens == 16
+    stream = client.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=6, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.completions.create(model="some/other-model", prompt=PROMPT, max_tokens=2)
+    assert "is not served here" in refused.value.response.text
