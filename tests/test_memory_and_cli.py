@@ -8,18 +8,28 @@ MEASURE = """
 import json, sys
 import mlx.core as mx
 from mlx_streaming.config import StreamingConfig
-from mlx_streaming.model import build_streaming_model
-sm = build_streaming_model(sys.argv[1], StreamingConfig(pool_slots=int(sys.argv[2])))
-print(json.dumps({"active": mx.get_active_memory(), "dense": sm.dense_bytes, "pool": sm.store.nbytes,
+from mlx_streaming.harness.memory import resident_dense_bytes
+from mlx_streaming.model import build_streaming_model, plan_memory
+config = StreamingConfig(pool_slots=int(sys.argv[2]), mtp=True)
+plan = plan_memory(sys.argv[1], config)  # before anything is loaded
+sm = build_streaming_model(sys.argv[1], config)
+print(json.dumps({"active": mx.get_active_memory(), "dense": resident_dense_bytes(sm.model, sm.store),
+                  "mtp_dense": resident_dense_bytes(sm.mtp, sm.store), "pool": sm.store.nbytes,
+                  "plan": [plan.dense_bytes, plan.mtp_dense_bytes, plan.pool_bytes, plan.weights_bytes, plan.allowance],
                   "experts_on_disk": sm.store.index.expert_bytes * sm.store.index.num_experts * len(sm.store.index.layers)}))
 """
 
 
-def test_active_memory_after_build_is_dense_plus_pool(model_dir):
-    """In a fresh process, so nothing else the suite built is counted."""
+def test_active_memory_after_build_is_what_the_plan_said(model_dir):
+    """In a fresh process, so nothing else the suite built is counted: the plan, made from the headers before
+    loading, gives each part's bytes as measured after loading, and MLX's active memory stays within the
+    plan's weights plus its allowance."""
     out = subprocess.run([sys.executable, "-c", MEASURE, str(model_dir), "4"], check=True, capture_output=True, text=True)
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    assert m["active"] <= 1.10 * (m["dense"] + m["pool"]), m
+    dense, mtp_dense, pool, weights, allowance = m["plan"]
+    assert (dense, mtp_dense, pool) == (m["dense"], m["mtp_dense"], m["pool"]), m
+    assert m["active"] <= weights + allowance, m
+    assert m["active"] <= 1.10 * (m["dense"] + m["mtp_dense"] + m["pool"]), m
     assert m["active"] < m["dense"] + m["experts_on_disk"] / 2, m  # far from everything loaded
 
 
@@ -80,3 +90,16 @@ def test_bench_overhead_splits_each_token_and_counts_one_sync_per_warm_deferred_
     assert token["route_ms_per_token"] > 0 and token["cpu_ms_per_token"] > 0
     table = bench.overhead_table(report)
     assert "CPU ms over in-memory" in table and "route ms" in table
+
+
+def test_plan_prints_without_loading_and_auto_budget_sizes_the_pool(model_dir):
+    plan = _cli("plan", "--model", str(model_dir), "--memory-budget", "auto")
+    assert plan.returncode == 0, plan.stderr
+    assert "memory plan: dense weights" in plan.stdout and "margin left" in plan.stdout
+    assert "48 of 48 experts" in plan.stdout and "cut to 48" in plan.stdout  # this machine has far more than 15 MB
+    small = _cli("plan", "--model", str(model_dir), "--memory-budget", "100M")
+    assert small.returncode == 2 and "--memory-budget 100.0 MB is below the dense weights" in small.stderr
+    assert "Traceback" not in small.stderr
+    generate = _cli("generate", "--model", str(model_dir), "--pool-slots", "6", "--max-tokens", "2")
+    assert generate.returncode == 0 and generate.stderr.startswith("memory plan:"), generate.stderr
+    assert "pool: 6 of 48 experts per MoE layer" in generate.stderr

@@ -95,7 +95,7 @@ def test_pinned_experts_stay_resident_and_overpinning_is_an_error(model_dir, pro
 def test_pool_sized_by_bytes_and_by_memory_budget(model_dir):
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=4)) as sm:
         per_slot = sm.store.index.expert_bytes * len(sm.store.index.layers)
-        dense = sm.dense_bytes
+        dense = sm.plan.dense_bytes
     with build_streaming_model(model_dir, StreamingConfig(pool_bytes=10 * per_slot)) as sm:
         assert sm.store.capacity == 10
     budget = dense + (1 << 20) + 12 * per_slot

@@ -30,6 +30,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _budget(text: str) -> int:
+    from .plan import auto_memory_budget
+
+    return auto_memory_budget() if text == "auto" else _size(text)
+
+
 def _default(field: str) -> str:
     value = getattr(DEFAULTS, field)
     return format_size(value) if field in ("staging_bytes", "memory_allowance") else repr(value)
@@ -44,9 +50,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-bytes", type=_size, metavar="SIZE", help="bytes of resident experts, all layers together, e.g. 2G")
     g.add_argument("--pool-fraction", type=float, metavar="F",
                    help="the share of each MoE layer's experts kept resident, e.g. 0.25")
-    g.add_argument("--memory-budget", type=_size, metavar="SIZE",
-                   help="bytes for the whole process, e.g. 24G; the pool gets what the dense weights and "
-                        f"{_default('memory_allowance')} for caches leave")
+    g.add_argument("--memory-budget", type=_budget, metavar="SIZE",
+                   help="bytes for the whole process, e.g. 24G, or auto (80%% of the memory available now); the pool "
+                        f"gets what the dense weights, {_default('memory_allowance')} for caches and prefetch "
+                        "staging leave")
     g.add_argument("--io-mode", choices=("buffered", "direct"),
                    help=f"read experts through the page cache or bypass it (default {DEFAULTS.io_mode})")
     g.add_argument("--packed", dest="packed_dir", metavar="DIR", help="read experts from this packed layout (mlx-streaming repack)")
@@ -111,7 +118,6 @@ def cmd_generate(args) -> None:
 
     config = _config(args)
     with build_streaming_model(_model_dir(args), config) as sm:
-        _say(_with_flags(sm.pool_note, args.flags))
         tokenizer = sm.tokenizer
         detok = tokenizer.detokenizer
         detok.reset()
@@ -159,6 +165,25 @@ def cmd_evaluate(args) -> None:
     print(json.dumps(result, indent=2))
     if args.json:
         _write_json(args.json, result)
+
+
+def cmd_plan(args) -> None:
+    print(_with_flags(_plan_of(args).describe(), args.flags))
+
+
+def _plan_of(args):
+    """The memory plan of the model this command builds, the MTP head included where it loads one."""
+    from .model import plan_memory
+
+    model_dir, config = _model_dir(args), _config(args)
+    if args.command in WITH_HEAD:
+        config = config.replace(mtp=(Path(model_dir) / "mtp.safetensors").exists() or bool(config.mtp_path))
+    return plan_memory(model_dir, config)
+
+
+#: Commands that build a streaming model (each prints its memory plan first), and those that load the MTP head.
+BUILDS = ("generate", "bench", "chat", "serve", "evaluate")
+WITH_HEAD = ("bench", "evaluate", "plan")
 
 
 def cmd_bench(args) -> None:
@@ -249,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_generation_options(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="the memory plan (dense weights, pool, head, staging, margin), nothing loaded",
+                       description="What a streaming model of these options will hold, from the checkpoint's headers "
+                                   "alone: every command that builds a model prints it before loading.")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="decode tok/s and expert traffic: greedy vs MTP speculation, and more",
                        description="Decode tok/s and expert traffic on one streaming model: greedy and MTP speculative "
@@ -377,6 +408,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         args.argv = argv[argv.index(args.command) + 1:]
         args.flags = _flags(parser, args.command)
+        if args.command in BUILDS and not getattr(args, "processes", None):
+            _say(_with_flags(_plan_of(args).describe(), args.flags))
         args.func(args)
     except StreamingError as exc:
         print(f"mlx-streaming {args.command}: error: {_with_flags(str(exc), args.flags)}", file=sys.stderr)

@@ -4,7 +4,7 @@ mlx-lm's own loader builds the model with every weight lazy (``mx.load`` reads n
 The adapter finds each MoE block's routed-expert switch module and replaces it, on this instance, by a
 ``StreamingSwitch`` over the store's pool, which drops the lazy expert arrays unread; only then are the
 parameters evaluated: the dense weights load, the experts never do. The store is built with every part it
-uses (reader, verifier, prefetcher, predictor); the pool size comes from ``pool_capacity`` alone.
+uses (reader, verifier, prefetcher, predictor); the pool size comes from the memory plan (``plan.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.utils import load_model, load_tokenizer
@@ -26,14 +26,14 @@ from .checkpoint.experts import ExpertIndex
 from .checkpoint.mtp_extract import MTP_FILE
 from .checkpoint.packed import packed_index
 from .checkpoint.safetensors import read_checkpoint_headers, read_header
-from .config import StreamingConfig, format_size
-from .errors import (CheckpointError, ConfigError, ConfigMismatchError, MissingTensorError, PoolTooSmallError,
-                     UnsupportedModelError)
+from .config import StreamingConfig
+from .errors import CheckpointError, ConfigError, ConfigMismatchError, MissingTensorError, UnsupportedModelError
 from .io.reader import ExpertReader
 from .moe.predict import ExpertPredictor
 from .moe.prefetch import Prefetcher
 from .moe.streaming_switch import StreamingSwitch
 from .mtp.load import load_mtp
+from .plan import MemoryPlan, pool_capacity
 
 
 @dataclass
@@ -46,9 +46,8 @@ class StreamingModel:
     config: StreamingConfig
     path: Path
     model_config: dict
-    dense_bytes: int
-    #: One line: what the pool became and which option sized it.
-    pool_note: str
+    #: What the model holds, by part, and the pool the config gave (computed before any weight was read).
+    plan: MemoryPlan
     #: The MTP head (``config.mtp``), its experts in the same store under layer id ``num_hidden_layers``.
     mtp: Optional[object] = None
 
@@ -75,40 +74,6 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
 
 
-def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_bytes: int, moe_layers: int,
-                  dense_bytes: int) -> Tuple[int, str]:
-    """Slots per MoE layer from whichever sizing knob is set (none: every expert resident), and one line
-    saying what the pool became. A pool bigger than the model's experts is cut to them (and says so); one
-    below ``top_k`` is refused, naming the knob."""
-    layer_bytes = expert_bytes * moe_layers
-    if config.pool_slots is not None:
-        slots, asked = config.pool_slots, f"pool_slots={config.pool_slots}"
-    elif config.pool_bytes is not None:
-        slots, asked = config.pool_bytes // layer_bytes, f"pool_bytes={format_size(config.pool_bytes)}"
-    elif config.memory_budget is not None:
-        left = config.memory_budget - dense_bytes - config.memory_allowance
-        asked = f"memory_budget={format_size(config.memory_budget)}"
-        if left <= 0:
-            raise PoolTooSmallError(
-                f"{asked} is below the dense weights ({format_size(dense_bytes)}) plus memory_allowance "
-                f"({format_size(config.memory_allowance)}): nothing is left for the expert pool")
-        slots = left // layer_bytes
-    elif config.pool_fraction is not None:
-        slots, asked = round(num_experts * config.pool_fraction), f"pool_fraction={config.pool_fraction}"
-    else:
-        slots, asked = num_experts, "no pool size given"
-    if slots < top_k:
-        raise PoolTooSmallError(
-            f"{asked} gives {slots} expert slots per MoE layer, below num_experts_per_tok={top_k}: one token needs "
-            f"{top_k} experts resident, at least {format_size(top_k * layer_bytes)} "
-            f"({moe_layers} MoE layers x {format_size(expert_bytes)} per expert)")
-    note = ""
-    if slots > num_experts:
-        slots, note = num_experts, f", more than the model has: cut to {num_experts}"
-    return slots, (f"pool: {slots} of {num_experts} experts per MoE layer x {moe_layers} layers = "
-                   f"{format_size(slots * layer_bytes)} ({asked}{note})")
-
-
 @dataclass
 class _Checkpoint:
     """A checkpoint opened lazily: the mlx-lm model (nothing read yet), its expert sites by layer id (the MTP
@@ -119,7 +84,8 @@ class _Checkpoint:
     sites: dict
     head: Optional[object]
     index: ExpertIndex
-    dense_bytes: int
+    dense_bytes: int  #: the main model's non-expert tensors
+    mtp_dense_bytes: int  #: the MTP head's non-expert tensors (0 without the head)
 
 
 def _load_lazily(path: Path, model_config: dict):
@@ -158,21 +124,38 @@ def open_checkpoint(path: Path, config: StreamingConfig) -> _Checkpoint:
     sites = expert_sites(model)
     if not sites:
         raise _not_moe(path, model_config.get("model_type"))
-    head = None
+    head, mtp_tensors = None, {}
     if config.mtp:
         if model_config.get("model_type") != qwen3_next.MODEL_TYPE:
             raise ConfigError(f"mtp: MTP speculation uses Qwen3-Next's MTP head; model_type "
                               f"{model_config.get('model_type')!r} has none here")
         mtp_path = Path(config.mtp_path) if config.mtp_path else path / MTP_FILE
         head = load_mtp(model_config, mtp_path, lazy=True)
-        tensors.update(read_header(mtp_path))
+        mtp_tensors = read_header(mtp_path)
+        tensors.update(mtp_tensors)
         sites.update(qwen3_next.mtp_sites(head, model_config["num_hidden_layers"]))
     index = ExpertIndex(tensors, {i: (site.prefix, site.tensor_names()) for i, site in sites.items()})
     expert_names = set(index.expert_tensor_names())
-    dense_bytes = sum(t.nbytes for name, t in tensors.items() if name not in expert_names)
+    dense = {name: t.nbytes for name, t in tensors.items() if name not in expert_names}
+    mtp_dense_bytes = sum(n for name, n in dense.items() if name in mtp_tensors)
     if config.packed_dir:
         index = packed_index(index, Path(config.packed_dir))
-    return _Checkpoint(model, model_config, sites, head, index, dense_bytes)
+    return _Checkpoint(model, model_config, sites, head, index, sum(dense.values()) - mtp_dense_bytes, mtp_dense_bytes)
+
+
+def _plan(ckpt: _Checkpoint, config: StreamingConfig) -> MemoryPlan:
+    staging = config.staging_bytes if config.prefetch else 0
+    index = ckpt.index
+    slots, note = pool_capacity(config, index.num_experts, experts_per_token(ckpt.model_config), index.expert_bytes,
+                                len(ckpt.sites), ckpt.dense_bytes + ckpt.mtp_dense_bytes, staging)
+    return MemoryPlan(ckpt.dense_bytes, ckpt.mtp_dense_bytes, slots, index.num_experts, len(ckpt.sites),
+                      index.expert_bytes, staging, config.memory_allowance, config.memory_budget, note)
+
+
+def plan_memory(path, config: Optional[StreamingConfig] = None) -> MemoryPlan:
+    """The memory plan of building ``path`` with ``config``, from the checkpoint's headers (no weight is read)."""
+    config = config or StreamingConfig()
+    return _plan(open_checkpoint(Path(path), config), config)
 
 
 def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader: Optional[ExpertReader] = None) -> StreamingModel:
@@ -182,8 +165,8 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     ckpt = open_checkpoint(path, config)
     index, model_config = ckpt.index, ckpt.model_config
     top_k = experts_per_token(model_config)
-    capacity, pool_note = pool_capacity(config, index.num_experts, top_k, index.expert_bytes, len(ckpt.sites),
-                                        ckpt.dense_bytes)
+    plan = _plan(ckpt, config)
+    capacity = plan.slots
     reader = reader or ExpertReader(config.io_mode)
     main_sites = {i: site for i, site in ckpt.sites.items() if ckpt.head is None or i < model_config["num_hidden_layers"]}
     counters = ResidencyStats()
@@ -203,8 +186,7 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     defer_miss_checks(ckpt.model, main_sites, store)
     if ckpt.head is not None:
         qwen3_next.install_state_capture(ckpt.model)
-    sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, ckpt.dense_bytes,
-                        pool_note, ckpt.head)
+    sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, plan, ckpt.head)
     if config.pin_hot:
         pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
     return sm

@@ -119,7 +119,7 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             "disk_load_ratio": spec_counters["disk_loads"] / greedy_counters["disk_loads"] if greedy_counters["disk_loads"] else None,
             "union_of_experts": unions,
             "memory": memory_snapshot(sm),
-            "pool": sm.pool_note,
+            "pool": sm.plan.note,
         }
         if config.diagnostics:
             result["diagnostics"] = diagnostics_report(sm.store).splitlines()

@@ -32,7 +32,6 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
     mx.random.seed(seed)
     with build_streaming_model(model_dir, config) as sm:
         tokenizer, store = sm.tokenizer, sm.store
-        print(sm.pool_note, file=sys.stderr)
         if not getattr(tokenizer, "chat_template", None):
             print("this model has no chat template: each line is text for it to continue", file=sys.stderr)
         cache, sampler = make_prompt_cache(sm.model), make_sampler(temp=temp, top_p=top_p)
