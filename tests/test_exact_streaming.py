@@ -44,9 +44,9 @@ def test_long_prompt_with_pool_below_one_layers_union_runs_in_groups(model_dir, 
     assert len(ids) == LONG_PROMPT_TOKENS
     top_k = reference_model.args.num_experts_per_tok
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=top_k + 2)) as sm:
-        sm.store.union_log = []
+        sm.store.route_log = []
         got = greedy_generate(sm.model, ids, 16, prefill_chunk=LONG_PROMPT_TOKENS)
-        prefill = [(layer, experts) for layer, tokens, experts in sm.store.union_log if tokens == LONG_PROMPT_TOKENS]
+        prefill = [(layer, len(experts)) for layer, tokens, experts in sm.store.route_log if tokens == LONG_PROMPT_TOKENS]
         # the one prefill forward routed every MoE layer to more experts than the pool holds
         assert {layer for layer, _ in prefill} == set(sm.store.index.layers)
         assert all(experts > sm.store.capacity for _, experts in prefill), prefill

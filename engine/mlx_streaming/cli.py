@@ -121,8 +121,13 @@ def cmd_generate(args) -> None:
         tokenizer = sm.tokenizer
         detok = tokenizer.detokenizer
         detok.reset()
-        generated = 0
-        for token, _ in greedy_steps(sm.model, tokenizer.encode(config.prompt), config.max_tokens, config.prefill_chunk):
+        generated, decode_from = 0, None
+        prompt_ids = tokenizer.encode(config.prompt)
+        if args.record_trace:
+            sm.store.route_log = []
+        for token, _ in greedy_steps(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk):
+            if decode_from is None and args.record_trace:
+                decode_from = len(sm.store.route_log)
             if token in tokenizer.eos_token_ids:
                 break
             generated += 1
@@ -135,6 +140,11 @@ def cmd_generate(args) -> None:
         if config.diagnostics:
             _say(diagnostics_report(sm.store))
         _say(json.dumps(stats))
+        if args.record_trace:
+            from .cache.trace import write_trace
+
+            write_trace(args.record_trace, sm.store, len(prompt_ids), generated, decode_from)
+            _say(f"routing trace: {len(sm.store.route_log)} MoE layer calls written to {args.record_trace}")
 
 
 def cmd_chat(args) -> None:
@@ -168,6 +178,15 @@ def cmd_evaluate(args) -> None:
 
 
 def cmd_plan(args) -> None:
+    if args.trace:
+        from .cache.trace import curve, read_trace
+        from .harness.report import trace_table
+
+        rows = curve(read_trace(args.trace), args.disk_gbps * 1e9, args.pin_hot or 0)
+        print(trace_table(rows, args.disk_gbps, args.pin_hot or 0))
+        if args.json:
+            _write_json(args.json, rows)
+        return
     print(_with_flags(_plan_of(args).describe(), args.flags))
 
 
@@ -273,12 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Greedy generation with streamed experts; text on stdout, pool and counters on stderr.")
     _add_model_options(p)
     _add_generation_options(p)
+    p.add_argument("--record-trace", metavar="FILE",
+                   help="write which experts each MoE layer call routed to (prompt and decode), for plan --trace")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plan", help="the memory plan (dense weights, pool, head, staging, margin), nothing loaded",
                        description="What a streaming model of these options will hold, from the checkpoint's headers "
                                    "alone: every command that builds a model prints it before loading.")
     _add_model_options(p)
+    g = p.add_argument_group("pool-size curve from a routing trace (generate --record-trace)")
+    g.add_argument("--trace", metavar="FILE", help="replay this trace at every pool size instead")
+    g.add_argument("--disk-gbps", type=float, default=2.0, metavar="GB/S",
+                   help="disk read rate for the I/O-bound decode rate (default 2.0)")
+    g.add_argument("--pin-hot", type=int, metavar="N", help="pin each layer's N most routed experts of the trace")
+    g.add_argument("--json", metavar="FILE", help="write the curve here")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="decode tok/s and expert traffic: greedy vs MTP speculation, and more",

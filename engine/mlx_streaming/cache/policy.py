@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PoolTooSmallError
 
@@ -63,3 +63,15 @@ class LRUSlots:
 
     def resident(self) -> List[int]:
         return list(self._slot_of)
+
+
+def expert_groups(experts: Sequence[int], pinned: Collection[int], capacity: int) -> List[List[int]]:
+    """Split one call's distinct experts into groups that each fit a pool of ``capacity`` slots beside the
+    ``pinned`` ones (the pinned experts of the call go with the first group); ``[experts]`` when they fit."""
+    loose = [e for e in experts if e not in pinned]
+    room = capacity - len(pinned)
+    if len(loose) <= room:
+        return [list(experts)]
+    chunks = [loose[i:i + room] for i in range(0, len(loose), room)] or [[]]
+    chunks[0] = [e for e in experts if e in pinned] + chunks[0]
+    return chunks

@@ -18,7 +18,7 @@ from ..checkpoint.experts import ExpertIndex
 from ..errors import ExpertIOError, PoolTooSmallError
 from ..io.reader import ExpertReader
 from .stats import ResidencyStats
-from .policy import LRUSlots
+from .policy import LRUSlots, expert_groups
 
 _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 _MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
@@ -59,9 +59,9 @@ class ExpertStore:
         self.identity_slots = self.capacity == index.num_experts
         self.policies = {layer: LRUSlots(self.capacity, self.identity_slots) for layer in index.layers}
         self.record = record
-        #: When a list, every layer call appends (layer, tokens in the call, distinct experts routed): the
-        #: union-of-experts profile. Off (None) unless asked for.
-        self.union_log = None
+        #: When a list, every MoE layer call appends (layer, tokens in the call, its distinct experts, ascending):
+        #: the routing trace (``cache.trace``) and the union-of-experts profile. Off (None) unless asked for.
+        self.route_log = None
         self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
         self.counters = counters or ResidencyStats()
         self.miss_check = miss_check
@@ -124,8 +124,8 @@ class ExpertStore:
         """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts."""
         start = time.perf_counter()
         experts = _distinct(routed)
-        if self.union_log is not None:
-            self.union_log.append((layer, routed.size // routed.shape[-1], len(experts)))
+        if self.route_log is not None:
+            self.route_log.append((layer, routed.size // routed.shape[-1], experts))
         if self._resident(layer, experts):
             self.counters.fastpath += 1
         else:
@@ -297,12 +297,7 @@ class ExpertStore:
 
     def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
         """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""
-        pinned = self.policies[layer].pinned
-        loose = [e for e in experts if e not in pinned]
-        room = self.capacity - len(pinned)
-        chunks = [loose[i:i + room] for i in range(0, len(loose), room)] or [[]]
-        chunks[0] = [e for e in experts if e in pinned] + chunks[0]
-        return chunks
+        return expert_groups(experts, self.policies[layer].pinned, self.capacity)
 
     def pin(self, layer: int, experts: Iterable[int]) -> None:
         """Load and keep ``experts`` forever; at least ``top_k`` slots must stay unpinned."""

@@ -96,10 +96,10 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             timed_greedy(sm.model, prompt_ids, config.warmup_tokens, chunk)
             mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, config.warmup_tokens, K, mode, chunk)
         greedy_rates, (greedy_ids,), greedy_counters = _timed_runs("greedy", greedy_once, sm.store, config.repeat)
-        sm.store.union_log = []
+        sm.store.route_log = []
         spec_rates, (spec_ids, spec_stats), spec_counters = _timed_runs("speculative", spec_once, sm.store, config.repeat)
-        unions = union_profile(sm.store.union_log, K)
-        sm.store.union_log = None
+        unions = union_profile(sm.store.route_log, K)
+        sm.store.route_log = None
 
         divergence = first_divergence(spec_ids, greedy_ids, _margins(sm.model, prompt_ids, n, chunk)) if spec_ids != greedy_ids else None
         result = {

@@ -37,3 +37,15 @@ def diagnostics_report(store) -> str:
             f"mean submit-to-acquire {c['avg_window_ms']:.1f} ms")
     lines.append(f"diagnostics: main thread predict {d['predict_s'] * 1000:.1f} ms, submit {d['submit_s'] * 1000:.1f} ms")
     return "\n".join(lines)
+
+
+def trace_table(rows: list, disk_gbps: float, pin_hot: int) -> str:
+    """``cache.trace.curve`` as a table: pool size against hit rate, disk traffic and the I/O-bound decode rate."""
+    from tabulate import tabulate
+
+    body = [[r["slots"], r["pool_bytes"] / 1e6, r["hit_rate"], r["disk_bytes_per_token"] / 1e6, r["io_bound_tok_s"]]
+            for r in rows]
+    return (tabulate(body, headers=["slots/layer", "pool MB", "hit rate", "disk MB/token", "I/O-bound tok/s"],
+                     floatfmt=(".0f", ".2f", ".3f", ".3f", ".1f"))
+            + f"\nreplayed through the engine's LRU policy; disk MB and tok/s per decoded token at {disk_gbps:g} GB/s"
+            + (f"; {pin_hot} most routed experts per layer pinned" if pin_hot else ""))

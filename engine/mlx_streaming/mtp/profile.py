@@ -12,13 +12,13 @@ from typing import Dict, Iterable, Tuple
 import numpy as np
 
 
-def union_profile(log: Iterable[Tuple[int, int, int]], tokens_per_call: int) -> Dict[str, object]:
-    """From ``store.union_log`` entries, the calls of ``tokens_per_call`` tokens: avg, p99 and max distinct
+def union_profile(log: Iterable[Tuple[int, int, list]], tokens_per_call: int) -> Dict[str, object]:
+    """From ``store.route_log`` entries, the calls of ``tokens_per_call`` tokens: avg, p99 and max distinct
     experts over all layers, and the max by layer."""
     by_layer = defaultdict(list)
-    for layer, tokens, distinct in log:
+    for layer, tokens, experts in log:
         if tokens == tokens_per_call:
-            by_layer[layer].append(distinct)
+            by_layer[layer].append(len(experts))
     if not by_layer:
         return {"calls": 0}
     every = np.concatenate([np.array(v) for v in by_layer.values()])

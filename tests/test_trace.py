@@ -1,0 +1,58 @@
+"""Routing traces: recorded once, replayed through the engine's own policy; the replay equals live runs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlx_streaming.cache.trace import curve, read_trace, replay, write_trace
+from mlx_streaming.config import StreamingConfig
+from mlx_streaming.errors import ConfigError, OutputError
+from mlx_streaming.generate import greedy_generate
+from mlx_streaming.model import build_streaming_model
+
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+
+
+def _live(model_dir, slots, trace_path=None):
+    """(hits, misses) of a 20-token greedy run at ``slots``; with ``trace_path``, its trace written there."""
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=slots)) as sm:
+        ids = sm.tokenizer.encode(PROMPT)
+        sm.store.route_log = []
+        greedy_generate(sm.model, ids, 20)
+        if trace_path:
+            prefill_calls = len(sm.store.index.layers)  # one prefill forward: one call per MoE layer
+            write_trace(trace_path, sm.store, len(ids), 20, prefill_calls)
+        s = sm.store.stats()
+        return s["hits"], s["misses"]
+
+
+def test_replay_equals_live_runs_at_two_pool_sizes(model_dir, tmp_path):
+    path = tmp_path / "trace.json"
+    live_12 = _live(model_dir, 12, path)
+    trace = read_trace(path)
+    assert (replay(trace, 12)["hits"], replay(trace, 12)["misses"]) == live_12
+    live_6 = _live(model_dir, 6)  # the same greedy ids, so the same routes, at another pool size
+    assert (replay(trace, 6)["hits"], replay(trace, 6)["misses"]) == live_6
+    assert live_6[0] < live_12[0]
+    rows = curve(trace, 2e9)
+    assert [r["slots"] for r in rows] == list(range(trace["top_k"], trace["num_experts"] + 1))
+    assert all(a["hit_rate"] <= b["hit_rate"] for a, b in zip(rows, rows[1:]))  # LRU: more slots never hit less
+    assert rows[-1]["misses"] == len({(layer, e) for layer, _, experts in trace["calls"] for e in experts})
+
+
+def test_trace_files_are_checked_and_nothing_else_is_overwritten(model_dir, tmp_path):
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "notes"}')
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=6)) as sm:
+        sm.store.route_log = []
+        greedy_generate(sm.model, sm.tokenizer.encode(PROMPT), 2)
+        with pytest.raises(OutputError, match="is not a routing trace"):
+            write_trace(mine, sm.store, 1, 2, 8)
+    assert json.loads(mine.read_text()) == {"my": "notes"}
+    with pytest.raises(ConfigError, match="not a routing trace"):
+        read_trace(mine)
+    out = subprocess.run([sys.executable, "-m", "mlx_streaming", "plan", "--trace", str(mine)], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and "not a routing trace" in out.stderr and "Traceback" not in out.stderr
