@@ -64,3 +64,16 @@ def test_raw_read_probe_reads_one_expert_per_call(model_dir, packed_dir):
     a, b = raw_read_probe(scattered, "direct", experts=16), raw_read_probe(packed, "direct", experts=16)
     assert (a["reads_per_expert"], b["reads_per_expert"]) == (9.0, 1.0)
     assert a["bytes"] == b["bytes"] == 16 * scattered.expert_bytes and a["gbps"] > 0 and b["gbps"] > 0
+
+
+def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
+    from mlx_streaming.harness.bench import io_report, io_table
+
+    report = io_report(model_dir, StreamingConfig(pool_slots=6, io_mode="direct", max_tokens=4, warmup_tokens=0,
+                                                   repeat=1))
+    cells = report["ceiling"]["cells"]
+    assert {(c["batch"], c["threads"]) for c in cells} == {(b, t) for b in (1, 4, 16) for t in (1, 2, 4, 8)}
+    assert report["ceiling"]["best"]["gbps"] == max(c["gbps"] for c in cells) > 0
+    assert report["demand_read_gbps"] > 0
+    assert report["demand_over_ceiling"] == report["demand_read_gbps"] / report["ceiling"]["best"]["gbps"]
+    assert "of the ceiling" in io_table(report)

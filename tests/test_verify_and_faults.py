@@ -53,7 +53,7 @@ class FaultyReader(ExpertReader):
         self.fault, self.fail_at, self.calls = fault, fail_at, 0
 
     def _read_batch(self, requests):
-        failure = ExpertReader._read_batch(requests)
+        failure = super()._read_batch(requests)
         first = self.calls + 1
         self.calls += len(requests)
         if failure is None and first <= self.fail_at <= self.calls:

@@ -213,7 +213,7 @@ def cmd_bench(args) -> None:
         print(json.dumps(result, indent=2))
     elif args.io:
         result = bench.io_report(_model_dir(args), _config(args))
-        print(json.dumps(result, indent=2))
+        print(bench.io_table(result))
     elif args.sweep:
         result = bench.sweep(_model_dir(args), _config(args))
         print(bench.sweep_table(result))

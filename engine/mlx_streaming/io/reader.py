@@ -28,10 +28,11 @@ READ_THREADS = 4
 
 
 class ExpertReader:
-    def __init__(self, io_mode: str = "buffered"):
+    def __init__(self, io_mode: str = "buffered", threads: int = READ_THREADS):
+        """``threads``: native read threads per call (``bench --io`` varies it to find the disk's ceiling)."""
         if io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {io_mode!r}")
-        self.io_mode = io_mode
+        self.io_mode, self.threads = io_mode, threads
         self._fds: Dict[str, int] = {}
         self.effective_modes: Dict[str, str] = {}
         #: System reads issued (after merging adjacent ranges).
@@ -70,10 +71,9 @@ class ExpertReader:
         """O_DIRECT (Linux) or F_NOCACHE (macOS) open; EINVAL means the filesystem refuses it."""
         return native.open_uncached(path)
 
-    @staticmethod
-    def _read_batch(requests: Sequence[native.ReadRequest]) -> native.ReadFailure:
+    def _read_batch(self, requests: Sequence[native.ReadRequest]) -> native.ReadFailure:
         """The reads themselves, as a method so a test can inject faults beneath the error handling."""
-        return native.read_batch(requests, READ_THREADS)
+        return native.read_batch(requests, self.threads)
 
     def read(self, ranges: Sequence[tuple]) -> List[np.ndarray]:
         """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order. Consecutive ranges that
