@@ -30,6 +30,15 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _k(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
+
+
 def _budget(text: str) -> int:
     from .plan import auto_memory_budget
 
@@ -314,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_generation_options(p)
     g = p.add_argument_group("speculation and timing")
-    g.add_argument("--k", type=int, help=f"tokens per verify: 1 + K-1 MTP drafts (default {DEFAULTS.k})")
+    g.add_argument("--k", type=_k, help="tokens per verify: 1 + K-1 MTP drafts, or auto: chosen while decoding "
+                                        f"from measured step costs and acceptance (default {DEFAULTS.k})")
     g.add_argument("--commit-mode", dest="verify_mode", choices=("direct", "replay"),
                    help="how Gated-DeltaNet state is committed after a partial accept: keep the per-position states "
                         f"(direct) or restore a snapshot and replay (default {DEFAULTS.verify_mode})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Union, Mapping, Optional
 
 from .errors import ConfigError
 
@@ -52,8 +52,9 @@ class StreamingConfig:
     mtp: bool = False
     #: The MTP weights (default: ``mtp.safetensors`` in the model folder).
     mtp_path: Optional[str] = None
-    #: Speculative decoding: tokens per verify (1 + K-1 drafts) and how Gated-DeltaNet state is committed.
-    k: int = 3
+    #: Speculative decoding: tokens per verify (1 + K-1 drafts; 1: none; "auto": chosen while decoding by
+    #: ``mtp.autok.KChooser``) and how Gated-DeltaNet state is committed.
+    k: Union[int, str] = 3
     verify_mode: str = "direct"
     #: Byte-truth verification (STG_VERIFY): check every expert placed into the pool against disk.
     verify: bool = False
@@ -97,8 +98,8 @@ class StreamingConfig:
             raise ConfigError(f"miss_check must be one of {', '.join(MISS_CHECKS)}, got {self.miss_check!r}")
         if self.verify_mode not in VERIFY_MODES:
             raise ConfigError(f"verify_mode must be one of {', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
-        if self.k < 2:
-            raise ConfigError(f"k (tokens per verify) must be at least 2, got {self.k}")
+        if self.k != "auto" and (not isinstance(self.k, int) or self.k < 1):
+            raise ConfigError(f"k (tokens per verify) must be auto or at least 1, got {self.k!r}")
         sizing = [n for n in POOL_SIZES if getattr(self, n) is not None]
         if len(sizing) > 1:
             given = ", ".join(f"{n}={getattr(self, n)}" for n in sizing)

@@ -99,7 +99,8 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
         greedy_rates, (greedy_ids,), greedy_counters = _timed_runs("greedy", greedy_once, sm.store, config.repeat)
         sm.store.route_log = []
         spec_rates, (spec_ids, spec_stats), spec_counters = _timed_runs("speculative", spec_once, sm.store, config.repeat)
-        unions = union_profile(sm.store.route_log, K)
+        k_hist = spec_stats["k_hist"]
+        unions = union_profile(sm.store.route_log, max(set(k_hist), key=k_hist.count) if k_hist else K)
         sm.store.route_log = None
 
         divergence = first_divergence(spec_ids, greedy_ids, _margins(sm.model, prompt_ids, n, chunk)) if spec_ids != greedy_ids else None
@@ -118,7 +119,7 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             "spec_time_s": spec_stats["time_s"], "projected_tok_s_free_replay": spec_stats["projected_tok_s_free_replay"],
             "greedy_io": greedy_counters, "spec_io": spec_counters,
             "disk_load_ratio": spec_counters["disk_loads"] / greedy_counters["disk_loads"] if greedy_counters["disk_loads"] else None,
-            "union_of_experts": unions,
+            "union_of_experts": unions, "k_choice": spec_stats.get("k_choice"),
             "memory": memory_snapshot(sm),
             "pool": sm.plan.note,
         }
@@ -170,11 +171,17 @@ def table(result: dict) -> str:
         result["pool"],
         f"model {result['model']}  io_mode={result['io_mode']}  pool {result['pool_slots']}/{result['num_experts']} experts per layer  "
         f"max_tokens={result['max_tokens']} warmup={result['warmup']} repeat={result['repeat']}",
-        f"speedup {result['speedup']:.3f}x  exact_match={result['exact_match']}  avg accept {result['avg_accept_len']:.3f} of {result['K'] - 1}  "
+        f"speedup {result['speedup']:.3f}x  exact_match={result['exact_match']}  avg accept {result['avg_accept_len']:.3f} per step  "
         f"steps {result['steps']}  disk-load ratio {result['disk_load_ratio'] if result['disk_load_ratio'] is None else round(result['disk_load_ratio'], 3)}",
         f"union of experts per verify: avg {u.get('avg', 0):.1f}  p99 {u.get('p99', 0):.1f}  max {u.get('max', 0)}",
         f"memory: MLX active {result['memory']['mlx_active_gb']:.3f} GB, peak {result['memory']['mlx_peak_gb']:.3f} GB, RSS {result['memory']['rss_gb']:.3f} GB",
     ]
+    for row in result.get("k_choice") or []:
+        measured = row["ms_per_step"] is not None
+        summary.append(
+            f"K={row['K']}: {row['steps']} steps" + (f", {row['ms_per_step']:.1f} ms per step, expected "
+            f"{row['expected_tokens_per_step']:.2f} tokens per step = {row['expected_tok_s']:.2f} tok/s, achieved "
+            f"{row['achieved_tok_s']:.2f} tok/s" if measured else "") + ("  <- chosen" if row["chosen"] else ""))
     if "streaming_over_inmemory" in result:
         summary.append(f"streaming / in-memory greedy: {result['streaming_over_inmemory']:.3f}  (ids equal: {result['inmemory_ids_match']})")
     summary.extend(result.get("diagnostics", []))

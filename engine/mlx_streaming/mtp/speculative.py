@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..adapters.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
 from ..config import VERIFY_MODES
+from .autok import KChooser
+
+#: Steps without drafts keep at most this many of their (token, hidden) pairs for the head: when it drafts
+#: again it is fed those, so a long stretch without speculation costs the head a bounded catch-up (the positions
+#: before them stay out of its cache: its drafts may be a little worse, the ids are greedy's whatever it drafts).
+UNFED_KEPT = 16
 
 PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", "finalize")
 
@@ -30,7 +36,7 @@ PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", 
 @dataclass
 class SpecStats:
     verify_mode: str
-    k: int
+    k: Union[int, str]
     tokens: int = 0
     steps: int = 0
     accepted: int = 0
@@ -39,6 +45,7 @@ class SpecStats:
     fallback_replays: int = 0
     replayed_tokens: int = 0
     accept_hist: List[int] = field(default_factory=list)
+    k_hist: List[int] = field(default_factory=list)  #: K of every step (they differ with "auto")
     times: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
 
     def as_dict(self) -> dict:
@@ -50,7 +57,7 @@ class SpecStats:
             "tokens_per_step": (self.tokens - 1) / self.steps if self.steps else 0.0,
             "full_accepts": self.full_accepts, "direct_commits": self.direct_commits,
             "fallback_replays": self.fallback_replays, "replayed_tokens": self.replayed_tokens,
-            "accept_hist": list(self.accept_hist), "wall_s": wall,
+            "accept_hist": list(self.accept_hist), "k_hist": list(self.k_hist), "wall_s": wall,
             "time_s": dict(self.times),
             "decode_tok_s": (self.tokens - 1) / decode if decode > 0 else 0.0,
             "projected_tok_s_free_replay": (self.tokens - 1) / (decode - self.times["replay"]) if decode > self.times["replay"] else 0.0,
@@ -67,15 +74,17 @@ class _Clock:
         self.t = now
 
 
-def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: int = 3,
+def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: Union[int, str] = 3,
                  verify_mode: str = "direct", prefill_chunk: int = 256,
                  on_decode: Optional[Callable[[], None]] = None) -> Tuple[List[int], dict]:
-    """``max_tokens`` ids equal to greedy decoding's, and the run's statistics. ``on_decode()`` is called once
-    the prompt is prefilled (a benchmark starts its counters there)."""
+    """``max_tokens`` ids equal to greedy decoding's, and the run's statistics. ``K`` tokens per verify (1: no
+    drafts), or "auto": a ``KChooser`` picks K at every step from what it measures. ``on_decode()`` is called
+    once the prompt is prefilled (a benchmark starts its counters there)."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
-    if K < 2:
-        raise ValueError(f"K must be at least 2, got {K}")
+    if K != "auto" and (not isinstance(K, int) or K < 1):
+        raise ValueError(f"K must be a positive integer or 'auto', got {K!r}")
+    chooser = KChooser() if K == "auto" else None
     stats = SpecStats(verify_mode, K)
     clock = _Clock(stats.times)
     captures = state_captures(model) if verify_mode == "direct" else []
@@ -93,8 +102,14 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
     clock.lap("prefill")
     drafter.extend(list(prompt_ids[1:]) + [x], mx.concatenate(hiddens, axis=1))
 
+    unfed: List[Tuple[int, mx.array]] = []  # (token, hidden) pairs of steps without drafts, not yet fed
     while len(out) < max_tokens:
-        drafts = drafter.propose(K - 1)
+        step_start = time.perf_counter()
+        k = chooser.choose() if chooser else K
+        if k > 1 and unfed:  # the head drafts again: feed it the positions it missed (at most UNFED_KEPT)
+            drafter.extend([t for t, _ in unfed], mx.concatenate([h for _, h in unfed], axis=1))
+            unfed = []
+        drafts = drafter.propose(k - 1) if k > 1 else []
         clock.lap("draft")
         snapshot = [list(c.cache) for c in recurrent_caches(cache)] if verify_mode == "replay" else None
         clock.lap("snapshot")
@@ -108,24 +123,25 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
         targets = mx.argmax(logits[0], axis=-1).tolist()
         clock.lap("sync")
         a = 0
-        while a < K - 1 and drafts[a] == targets[a]:
+        while a < k - 1 and drafts[a] == targets[a]:
             a += 1
         committed = drafts[:a] + [targets[a]]
         stats.steps += 1
         stats.accepted += a
         stats.accept_hist.append(a)
-        if a == K - 1:
+        stats.k_hist.append(k)
+        if a == k - 1:
             stats.full_accepts += 1
         elif verify_mode == "direct":
             for c in attention_caches(cache):
-                c.trim(K - 1 - a)
+                c.trim(k - 1 - a)
             for capture, c in zip(captures, recurrent_caches(cache)):
                 c.cache = list(capture.states[a])
             stats.direct_commits += 1
             clock.lap("commit")
         else:
             for c in attention_caches(cache):
-                c.trim(K)
+                c.trim(k)
             for saved, c in zip(snapshot, recurrent_caches(cache)):
                 c.cache = saved
             clock.lap("commit")
@@ -136,10 +152,18 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
             clock.lap("replay")
         out.extend(committed)
         x = committed[-1]
-        drafter.extend(committed, hidden[:, : a + 1])
+        if k > 1:
+            drafter.extend(committed, hidden[:, : a + 1])
+        else:
+            unfed = (unfed + [(x, hidden)])[-UNFED_KEPT:]
         clock.lap("draft")
+        if chooser:
+            chooser.record(k, time.perf_counter() - step_start, a)
 
     out = out[:max_tokens]
     stats.tokens = len(out)
     clock.lap("finalize")
-    return out, stats.as_dict()
+    result = stats.as_dict()
+    if chooser:
+        result["k_choice"] = chooser.summary()
+    return out, result
