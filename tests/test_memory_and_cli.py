@@ -103,3 +103,16 @@ def test_plan_prints_without_loading_and_auto_budget_sizes_the_pool(model_dir):
     generate = _cli("generate", "--model", str(model_dir), "--pool-slots", "6", "--max-tokens", "2")
     assert generate.returncode == 0 and generate.stderr.startswith("memory plan:"), generate.stderr
     assert "pool: 6 of 48 experts per MoE layer" in generate.stderr
+
+
+def test_bench_k_report_compares_auto_with_every_fixed_k(model_dir):
+    from mlx_streaming.config import StreamingConfig
+    from mlx_streaming.harness import bench
+
+    report = bench.k_report(model_dir, StreamingConfig(pool_slots=12, max_tokens=8, warmup_tokens=2, repeat=1))
+    assert set(report["tok_s"]) == {"1", "2", "3", "4", "auto"} and report["ids_equal_greedy"]
+    fixed = {k: v["median"] for k, v in report["tok_s"].items() if k != "auto"}
+    assert report["best_fixed_k"] == int(max(fixed, key=fixed.get))
+    assert report["auto_over_best"] == report["tok_s"]["auto"]["median"] / max(fixed.values())
+    assert sum(report["auto_k_steps"].values()) >= 4  # every K probed once
+    assert "auto / best fixed K" in bench.k_table(report)

@@ -234,6 +234,9 @@ def cmd_bench(args) -> None:
 
         result = gate_power.study(_model_dir(args), _config(args))
         print(gate_power.table(result))
+    elif args.k_report:
+        result = bench.k_report(_model_dir(args), _config(args))
+        print(bench.k_table(result))
     elif args.overhead:
         result = bench.overhead_report(_model_dir(args), _config(args))
         print(bench.overhead_table(result))
@@ -344,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)")
     modes.add_argument("--prefetch-report", action="store_true",
                        help="greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with diagnostics")
+    modes.add_argument("--k-report", action="store_true",
+                       help="MTP speculation at K = 1, 2, 3, 4 and auto, interleaved: tok/s and auto over the best K")
     modes.add_argument("--overhead", action="store_true",
                        help="the engine's own cost per token: in-memory vs streaming with the miss check per layer "
                             "and per token (host syncs, wait), greedy and MTP")

@@ -336,6 +336,55 @@ def io_table(report: dict) -> str:
               f"per token")
 
 
+#: ``bench --k-report``: every fixed K (1: no drafts) and "auto".
+K_REPORT = (1, 2, 3, 4, "auto")
+
+
+def k_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """MTP speculation at every fixed K and at "auto", ``config.repeat`` rounds, the Ks interleaved within each
+    round (so a drifting machine moves them alike): median decode tok/s per K, auto over the best fixed K, the
+    K auto chose per step, and every run's ids against greedy's."""
+    from ..model import build_streaming_model
+
+    with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
+        prompt_ids = sm.tokenizer.encode(config.prompt)
+        greedy = greedy_generate(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk)
+
+        def once(k, n):
+            return mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, config.verify_mode,
+                                config.prefill_chunk)
+
+        for k in K_REPORT:
+            once(k, max(2, config.warmup_tokens))
+        rates = {k: [] for k in K_REPORT}
+        exact, chosen = True, []
+        for i in range(config.repeat):
+            _say(f"K report: round {i + 1}/{config.repeat}")
+            for k in K_REPORT:
+                ids, stats = once(k, config.max_tokens)
+                rates[k].append(stats["decode_tok_s"])
+                exact &= ids == greedy
+                chosen = stats["k_hist"] if k == "auto" else chosen
+        medians = {k: statistics.median(v) for k, v in rates.items()}
+        best = max((k for k in K_REPORT if k != "auto"), key=medians.get)
+        return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": config.max_tokens,
+                "repeat": config.repeat, "tok_s": {str(k): _spread(v) for k, v in rates.items()},
+                "best_fixed_k": best, "auto_over_best": medians["auto"] / medians[best],
+                "auto_k_steps": {str(k): chosen.count(k) for k in sorted(set(chosen))}, "ids_equal_greedy": exact}
+
+
+def k_table(report: dict) -> str:
+    from tabulate import tabulate
+
+    best = report["tok_s"][str(report["best_fixed_k"])]["median"]
+    body = [[k, v["median"], v["min"], v["max"], v["median"] / best] for k, v in report["tok_s"].items()]
+    return (tabulate(body, headers=["K", "tok/s (median)", "min", "max", "x best fixed K"], floatfmt=".3f")
+            + f"\npool {report['pool_slots']} slots, {report['max_tokens']} tokens x {report['repeat']} rounds, Ks "
+              f"interleaved. auto / best fixed K (K={report['best_fixed_k']}): {report['auto_over_best']:.3f}; auto's "
+              f"steps by K in the last round: {report['auto_k_steps']}; every run's ids equal greedy's: "
+              f"{report['ids_equal_greedy']}")
+
+
 #: The rows of ``prefetch_report``: (label, pool at its minimum, prefetch, ahead, mult).
 PREFETCH_ROWS = (("naive (pool = top_k)", True, False, 0, 1), ("LRU", False, False, 0, 1),
                  ("LRU + prefetch ahead 0", False, True, 0, 1), ("LRU + prefetch ahead 1", False, True, 1, 1),
