@@ -112,7 +112,18 @@ def test_bench_k_report_compares_auto_with_every_fixed_k(model_dir):
     report = bench.k_report(model_dir, StreamingConfig(pool_slots=12, max_tokens=8, warmup_tokens=2, repeat=1))
     assert set(report["tok_s"]) == {"1", "2", "3", "4", "auto"} and report["ids_equal_greedy"]
     fixed = {k: v["median"] for k, v in report["tok_s"].items() if k != "auto"}
-    assert report["best_fixed_k"] == int(max(fixed, key=fixed.get))
+    assert str(report["best_fixed"]) == max(fixed, key=fixed.get)
     assert report["auto_over_best"] == report["tok_s"]["auto"]["median"] / max(fixed.values())
     assert sum(report["auto_k_steps"].values()) >= 4  # every K probed once
-    assert "auto / best fixed K" in bench.k_table(report)
+    assert "auto / best fixed" in bench.auto_table(report, "K")
+
+
+def test_bench_prefetch_auto_report_compares_auto_with_on_and_off(model_dir):
+    from mlx_streaming.config import StreamingConfig
+    from mlx_streaming.harness import bench
+
+    report = bench.prefetch_auto_report(model_dir, StreamingConfig(pool_slots=12, max_tokens=8, warmup_tokens=2,
+                                                                   repeat=1))
+    assert set(report["tok_s"]) == {"off", "on", "auto"} and report["ids_identical"]
+    assert report["best_fixed"] in ("off", "on")
+    assert "auto / best fixed" in bench.auto_table(report, "prefetch")

@@ -30,6 +30,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _prefetch(text: str):
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"expected auto or nothing, got {text!r}")
+    return text
+
+
 def _k(text: str):
     if text == "auto":
         return text
@@ -72,7 +78,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="check that routed experts are resident once per forward, rerunning it layer by layer "
                         "after a miss (token), or at every MoE layer (layer) (default token)")
     g = p.add_argument_group("prefetch")
-    g.add_argument("--prefetch", action="store_true", default=None, help="read predicted experts in the background")
+    g.add_argument("--prefetch", nargs="?", const=True, default=None, type=_prefetch, metavar="auto",
+                   help="read predicted experts in the background; --prefetch auto: on or off, whichever decodes "
+                        "faster, measured while decoding")
     g.add_argument("--ahead", dest="prefetch_ahead", type=int, choices=(0, 1),
                    help=f"predict this layer's (0) or the next layer's (1) experts (default {DEFAULTS.prefetch_ahead})")
     g.add_argument("--mult", dest="prefetch_mult", type=int, metavar="M",
@@ -236,7 +244,10 @@ def cmd_bench(args) -> None:
         print(gate_power.table(result))
     elif args.k_report:
         result = bench.k_report(_model_dir(args), _config(args))
-        print(bench.k_table(result))
+        print(bench.auto_table(result, "K"))
+    elif args.prefetch_auto_report:
+        result = bench.prefetch_auto_report(_model_dir(args), _config(args))
+        print(bench.auto_table(result, "prefetch"))
     elif args.overhead:
         result = bench.overhead_report(_model_dir(args), _config(args))
         print(bench.overhead_table(result))
@@ -349,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with diagnostics")
     modes.add_argument("--k-report", action="store_true",
                        help="MTP speculation at K = 1, 2, 3, 4 and auto, interleaved: tok/s and auto over the best K")
+    modes.add_argument("--prefetch-auto-report", action="store_true",
+                       help="greedy with prefetch off, on and auto, interleaved: tok/s and auto over the better")
     modes.add_argument("--overhead", action="store_true",
                        help="the engine's own cost per token: in-memory vs streaming with the miss check per layer "
                             "and per token (host syncs, wait), greedy and MTP")

@@ -67,7 +67,8 @@ class StreamingConfig:
     pin_cal_tokens: int = 32
     #: Background prefetch of predicted experts: predict from each layer's input the experts of this
     #: layer (``prefetch_ahead`` 0) or the next (1), each token's top ``top_k * prefetch_mult``.
-    prefetch: bool = False
+    #: ``"auto"``: on or off, whichever decodes faster, measured while decoding (``moe.prefetch_auto``).
+    prefetch: Union[bool, str] = False
     prefetch_ahead: int = 1
     prefetch_mult: int = 1
     prefetch_threads: int = 2
@@ -113,6 +114,8 @@ class StreamingConfig:
         for name in ("prefill_chunk", "max_tokens", "pin_cal_tokens", "repeat"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prefetch not in (True, False, "auto"):
+            raise ConfigError(f"prefetch must be on, off or auto, got {self.prefetch!r}")
         if self.prefetch_ahead not in (0, 1):
             raise ConfigError(f"prefetch_ahead must be 0 or 1, got {self.prefetch_ahead}")
         for name in ("prefetch_mult", "prefetch_threads", "staging_bytes"):

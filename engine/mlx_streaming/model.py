@@ -31,6 +31,7 @@ from .errors import CheckpointError, ConfigError, ConfigMismatchError, MissingTe
 from .io.reader import ExpertReader
 from .moe.predict import ExpertPredictor
 from .moe.prefetch import Prefetcher
+from .moe.prefetch_auto import PrefetchSwitch
 from .moe.streaming_switch import StreamingSwitch
 from .mtp.load import load_mtp
 from .plan import MemoryPlan, pool_capacity
@@ -177,7 +178,8 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
                                     mult=config.prefetch_mult, layer_budget=config.prefetch_layer_budget,
                                     forward_budget=config.prefetch_forward_budget, diagnostics=config.diagnostics)
     store = ExpertStore(index, reader, capacity, top_k, config.record, verifier=ByteVerifier(index, counters) if config.verify else None,
-                        prefetcher=prefetcher, predictor=predictor, miss_check=config.miss_check,
+                        prefetcher=prefetcher, predictor=predictor,
+                        prefetch_switch=PrefetchSwitch() if config.prefetch == "auto" else None, miss_check=config.miss_check,
                         plant_s=config.plant_s, counters=counters)
     install(ckpt.sites, store.pools, lambda site: StreamingSwitch(site.switch, site.layer, store))
     mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])

@@ -182,11 +182,11 @@ def run_forward(store, signature: inspect.Signature, call: Callable, module: nn.
         return call(module, *args, **kwargs)
     store.in_forward = True
     try:
-        store.plant()
         bound = signature.bind(module, *args, **kwargs).arguments
         inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
-        saved = snapshot_caches(cache)
         tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
+        store.forward_starts(tokens)
+        saved = snapshot_caches(cache)
         if saved is None or not store.begin_forward(tokens):
             return call(module, *args, **kwargs)
         out = call(module, *args, **kwargs)

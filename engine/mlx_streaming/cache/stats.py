@@ -35,6 +35,7 @@ FIELDS = {
     "prefetch_dropped": "stale staged entries discarded (queued, being read or read) and failed reads",
     "prefetch_read_failures": "prefetch reads that failed (the demand read then serves)",
     "prefetch_staging_peak": "most host bytes the prefetcher held at once",
+    "prefetch_off_forwards": "forwards --prefetch auto ran without prefetch",
     "verify_calls": "experts checked by byte-truth verification",
     "verify_ok": "experts whose every tensor matched its reference checksum",
     "verify_bad": "experts with a tensor that did not",

@@ -36,10 +36,11 @@ def _distinct(routed: np.ndarray) -> List[int]:
 
 class ExpertStore:
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
-                 verifier=None, prefetcher=None, predictor=None, miss_check: str = "token", plant_s: float = 0.0,
-                 counters: Optional[ResidencyStats] = None):
+                 verifier=None, prefetcher=None, predictor=None, prefetch_switch=None, miss_check: str = "token",
+                 plant_s: float = 0.0, counters: Optional[ResidencyStats] = None):
         """``verifier`` (a ByteVerifier) checks every expert placed; ``prefetcher`` and ``predictor`` (both or
-        neither) read predicted experts in the background: the store is built with every part it uses, and
+        neither) read predicted experts in the background, every forward or, with ``prefetch_switch`` (a
+        ``PrefetchSwitch``), those it turns prefetch on for: the store is built with every part it uses, and
         with the one ``counters`` object they all count into."""
         if capacity < top_k:
             raise PoolTooSmallError(
@@ -63,6 +64,7 @@ class ExpertStore:
         #: the routing trace (``cache.trace``) and the union-of-experts profile. Off (None) unless asked for.
         self.route_log = None
         self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
+        self.prefetch_switch, self.prefetching = prefetch_switch, prefetcher is not None
         self.counters = counters or ResidencyStats()
         self.miss_check = miss_check
         #: Test-only planted slowdown: CPU seconds burnt at the start of every forward (``plant``).
@@ -138,6 +140,14 @@ class ExpertStore:
         return all(slots[e] >= 0 for e in experts)
 
     # ------------------------------------------------------------ the deferred miss check
+
+    def forward_starts(self, tokens: int) -> None:
+        """A forward of the model on ``tokens`` tokens starts: the prefetch switch decides whether it prefetches,
+        and the planted slowdown, if any, burns."""
+        if self.prefetch_switch is not None:
+            self.prefetching = self.prefetch_switch.forward(tokens)
+            self.counters.prefetch_off_forwards += not self.prefetching
+        self.plant()
 
     def plant(self) -> None:
         """Burn ``plant_s`` CPU seconds (the perf gate's power study plants slowdowns with it; 0 otherwise)."""
@@ -280,6 +290,8 @@ class ExpertStore:
             return
         if layer == 0:
             self.predictor.start_forward(x.shape[1])
+        if not self.prefetching:  # the prefetch switch turned it off for this forward
+            return
         plan = self.predictor.predict(layer, x, self.to_host)
         if plan is None:
             return

@@ -340,49 +340,94 @@ def io_table(report: dict) -> str:
 K_REPORT = (1, 2, 3, 4, "auto")
 
 
+def _interleaved(label: str, arms: dict, config: StreamingConfig) -> tuple:
+    """Warm every arm up (``arms``: name -> ``once(n)``, which decodes ``n`` tokens and returns (tok/s, ids,
+    extra)), then ``config.repeat`` rounds running each arm once, interleaved, so a drifting machine moves them
+    alike: (tok/s per arm per round, each arm's last (ids, extra))."""
+    for once in arms.values():
+        once(max(2, config.warmup_tokens))
+    rates, last = {name: [] for name in arms}, {}
+    for i in range(config.repeat):
+        _say(f"{label}: round {i + 1}/{config.repeat}")
+        for name, once in arms.items():
+            rate, ids, extra = once(config.max_tokens)
+            rates[name].append(rate)
+            last[name] = (ids, extra)
+    return rates, last
+
+
+def _versus_best(rates: dict, auto) -> dict:
+    """Medians per arm, the best arm that is not ``auto``, and auto over it."""
+    medians = {name: statistics.median(v) for name, v in rates.items()}
+    best = max((name for name in rates if name != auto), key=medians.get)
+    return {"tok_s": {str(name): _spread(v) for name, v in rates.items()}, "best_fixed": best,
+            "auto_over_best": medians[auto] / medians[best]}
+
+
 def k_report(model_dir: Path, config: StreamingConfig) -> dict:
-    """MTP speculation at every fixed K and at "auto", ``config.repeat`` rounds, the Ks interleaved within each
-    round (so a drifting machine moves them alike): median decode tok/s per K, auto over the best fixed K, the
-    K auto chose per step, and every run's ids against greedy's."""
+    """MTP speculation at every fixed K and at "auto", interleaved (``_interleaved``): median decode tok/s per
+    K, auto over the best fixed K, the K auto chose per step, and every run's ids against greedy's."""
     from ..model import build_streaming_model
 
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
         prompt_ids = sm.tokenizer.encode(config.prompt)
         greedy = greedy_generate(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk)
 
-        def once(k, n):
-            return mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, config.verify_mode,
-                                config.prefill_chunk)
+        def arm(k):
+            def once(n):
+                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, config.verify_mode,
+                                          config.prefill_chunk)
+                return stats["decode_tok_s"], ids, stats["k_hist"]
+            return once
 
-        for k in K_REPORT:
-            once(k, max(2, config.warmup_tokens))
-        rates = {k: [] for k in K_REPORT}
-        exact, chosen = True, []
-        for i in range(config.repeat):
-            _say(f"K report: round {i + 1}/{config.repeat}")
-            for k in K_REPORT:
-                ids, stats = once(k, config.max_tokens)
-                rates[k].append(stats["decode_tok_s"])
-                exact &= ids == greedy
-                chosen = stats["k_hist"] if k == "auto" else chosen
-        medians = {k: statistics.median(v) for k, v in rates.items()}
-        best = max((k for k in K_REPORT if k != "auto"), key=medians.get)
+        rates, last = _interleaved("K report", {k: arm(k) for k in K_REPORT}, config)
+        chosen = last["auto"][1]
         return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": config.max_tokens,
-                "repeat": config.repeat, "tok_s": {str(k): _spread(v) for k, v in rates.items()},
-                "best_fixed_k": best, "auto_over_best": medians["auto"] / medians[best],
-                "auto_k_steps": {str(k): chosen.count(k) for k in sorted(set(chosen))}, "ids_equal_greedy": exact}
+                "repeat": config.repeat, **_versus_best(rates, "auto"),
+                "auto_k_steps": {str(k): chosen.count(k) for k in sorted(set(chosen))},
+                "ids_equal_greedy": all(ids == greedy for ids, _ in last.values())}
 
 
-def k_table(report: dict) -> str:
+def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """Greedy decoding with prefetch off, on and auto (three models of the config's pool, run interleaved):
+    median tok/s each, auto over the better of on and off, auto's decisions, and the ids of every arm."""
+    from contextlib import ExitStack
+
+    from ..model import build_streaming_model
+
+    with ExitStack() as stack:
+        models = {arm: stack.enter_context(build_streaming_model(model_dir, config.replace(prefetch=arm)))
+                  for arm in (False, True, "auto")}
+        prompt_ids = models[False].tokenizer.encode(config.prompt)
+
+        def arm(sm):
+            def once(n):
+                return (*timed_greedy(sm.model, prompt_ids, n, config.prefill_chunk), None)
+            return once
+
+        names = {False: "off", True: "on", "auto": "auto"}
+        rates, last = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, config)
+        switch = models["auto"].store.prefetch_switch
+        return {"model": str(model_dir), "pool_slots": models[False].store.capacity, "io_mode": config.io_mode,
+                "max_tokens": config.max_tokens, "repeat": config.repeat, **_versus_best(rates, "auto"),
+                "auto_decisions": ["on" if d else "off" for d in switch.decisions],
+                "auto_measured_s_per_token": {("on" if a else "off"): v for a, v in switch.measured.items()},
+                "ids_identical": len({tuple(ids) for ids, _ in last.values()}) == 1}
+
+
+def auto_table(report: dict, what: str) -> str:
+    """``k_report`` (``what`` "K") or ``prefetch_auto_report`` ("prefetch") as a table."""
     from tabulate import tabulate
 
-    best = report["tok_s"][str(report["best_fixed_k"])]["median"]
-    body = [[k, v["median"], v["min"], v["max"], v["median"] / best] for k, v in report["tok_s"].items()]
-    return (tabulate(body, headers=["K", "tok/s (median)", "min", "max", "x best fixed K"], floatfmt=".3f")
-            + f"\npool {report['pool_slots']} slots, {report['max_tokens']} tokens x {report['repeat']} rounds, Ks "
-              f"interleaved. auto / best fixed K (K={report['best_fixed_k']}): {report['auto_over_best']:.3f}; auto's "
-              f"steps by K in the last round: {report['auto_k_steps']}; every run's ids equal greedy's: "
-              f"{report['ids_equal_greedy']}")
+    best = report["tok_s"][str(report["best_fixed"])]["median"]
+    body = [[name, v["median"], v["min"], v["max"], v["median"] / best] for name, v in report["tok_s"].items()]
+    detail = (f"auto's steps by K in the last round: {report['auto_k_steps']}; every run's ids equal greedy's: "
+              f"{report['ids_equal_greedy']}" if what == "K" else
+              f"auto's decisions: {report['auto_decisions']}, its last probes (s per token): "
+              f"{report['auto_measured_s_per_token']}; ids identical across arms: {report['ids_identical']}")
+    return (tabulate(body, headers=[what, "tok/s (median)", "min", "max", f"x best fixed {what}"], floatfmt=".3f")
+            + f"\npool {report['pool_slots']} slots, {report['max_tokens']} tokens x {report['repeat']} rounds, arms "
+              f"interleaved. auto / best fixed ({report['best_fixed']}): {report['auto_over_best']:.3f}; {detail}")
 
 
 #: The rows of ``prefetch_report``: (label, pool at its minimum, prefetch, ahead, mult).
@@ -427,7 +472,7 @@ def prefetch_report(model_dir: Path, config: StreamingConfig) -> dict:
             if layout and (minimum or mult > 1):
                 continue
             row_config = config.replace(packed_dir=layout, prefetch=prefetch, prefetch_ahead=ahead, prefetch_mult=mult,
-                                        diagnostics=prefetch)
+                                        diagnostics=bool(prefetch))
             if minimum:
                 row_config = row_config.with_pool(pool_slots=top_k)
             rows.append(_prefetch_row(model_dir, row_config, label))
