@@ -56,3 +56,24 @@ def test_trace_files_are_checked_and_nothing_else_is_overwritten(model_dir, tmp_
     out = subprocess.run([sys.executable, "-m", "mlx_streaming", "plan", "--trace", str(mine)], capture_output=True,
                          text=True)
     assert out.returncode == 2 and "not a routing trace" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_draws_the_curve_into_a_png_and_replaces_only_its_own(model_dir, tmp_path):
+    path, png = tmp_path / "trace.json", tmp_path / "curve.png"
+    _live(model_dir, 12, path)
+
+    def plot():
+        return subprocess.run([sys.executable, "-m", "mlx_streaming", "plan", "--trace", str(path), "--plot", str(png)],
+                              capture_output=True, text=True)
+
+    first = plot()
+    assert first.returncode == 0, first.stderr
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG") and b"mlx-streaming plan --trace" in data[:4096]
+    assert plot().returncode == 0  # its own file: replaced
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\x89PNG not ours")
+    refused = subprocess.run([sys.executable, "-m", "mlx_streaming", "plan", "--trace", str(path), "--plot", str(photo)],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "was not written by mlx-streaming" in refused.stderr
+    assert photo.read_bytes() == b"\x89PNG not ours"

@@ -201,6 +201,11 @@ def cmd_plan(args) -> None:
 
         rows = curve(read_trace(args.trace), args.disk_gbps * 1e9, args.pin_hot or 0)
         print(trace_table(rows, args.disk_gbps, args.pin_hot or 0))
+        if args.plot:
+            from .harness.curve_plot import write_plot
+
+            write_plot(rows, args.plot, args.disk_gbps, args.pin_hot or 0)
+            _say(f"plot written to {args.plot}")
         if args.json:
             _write_json(args.json, rows)
         return
@@ -329,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="disk read rate for the I/O-bound decode rate (default 2.0)")
     g.add_argument("--pin-hot", type=int, metavar="N", help="pin each layer's N most routed experts of the trace")
     g.add_argument("--json", metavar="FILE", help="write the curve here")
+    g.add_argument("--plot", metavar="FILE.png", help="draw the curve into this PNG (needs the plot extra: matplotlib)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="decode tok/s and expert traffic: greedy vs MTP speculation, and more",
