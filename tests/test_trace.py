@@ -28,9 +28,15 @@ def _live(model_dir, slots, trace_path=None):
         return s["hits"], s["misses"]
 
 
-def test_replay_equals_live_runs_at_two_pool_sizes(model_dir, tmp_path):
-    path = tmp_path / "trace.json"
-    live_12 = _live(model_dir, 12, path)
+@pytest.fixture(scope="module")
+def recorded(model_dir, tmp_path_factory):
+    """(trace file of a 20-token run at 12 slots, that run's (hits, misses))."""
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    return path, _live(model_dir, 12, path)
+
+
+def test_replay_equals_live_runs_at_two_pool_sizes(model_dir, recorded):
+    path, live_12 = recorded
     trace = read_trace(path)
     assert (replay(trace, 12)["hits"], replay(trace, 12)["misses"]) == live_12
     live_6 = _live(model_dir, 6)  # the same greedy ids, so the same routes, at another pool size
@@ -58,9 +64,8 @@ def test_trace_files_are_checked_and_nothing_else_is_overwritten(model_dir, tmp_
     assert out.returncode == 2 and "not a routing trace" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_plan_draws_the_curve_into_a_png_and_replaces_only_its_own(model_dir, tmp_path):
-    path, png = tmp_path / "trace.json", tmp_path / "curve.png"
-    _live(model_dir, 12, path)
+def test_plan_draws_the_curve_into_a_png_and_replaces_only_its_own(recorded, tmp_path):
+    path, png = recorded[0], tmp_path / "curve.png"
 
     def plot():
         return subprocess.run([sys.executable, "-m", "mlx_streaming", "plan", "--trace", str(path), "--plot", str(png)],
