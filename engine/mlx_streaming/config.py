@@ -54,7 +54,7 @@ class StreamingConfig:
     mtp_path: Optional[str] = None
     #: Speculative decoding: tokens per verify (1 + K-1 drafts; 1: none; "auto": chosen while decoding by
     #: ``mtp.autok.KChooser``) and how Gated-DeltaNet state is committed.
-    k: Union[int, str] = 3
+    k: Union[int, str] = "auto"
     verify_mode: str = "direct"
     #: Byte-truth verification (STG_VERIFY): check every expert placed into the pool against disk.
     verify: bool = False
@@ -177,7 +177,7 @@ def _flag(text: str) -> bool:
 
 ENV_NAMES = {
     "MAXTOK": ("max_tokens", int),
-    "K": ("k", int),
+    "K": ("k", lambda text: text if text == "auto" else int(text)),
     "MTP_OUT": ("mtp_path", str),
     "VERIFY_MODE": ("verify_mode", str),
     "PROMPT": ("prompt", str),
