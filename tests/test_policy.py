@@ -66,3 +66,11 @@ def test_identity_slots_put_each_expert_in_its_own_slot():
     assert p.place(1) == (1, None)
     with pytest.raises(ValueError):
         p.place(2)
+
+
+def test_admit_touches_the_routed_experts_and_names_the_missing_ones():
+    p = LRUSlots(2)
+    p.place(10)
+    p.place(11)
+    assert p.admit([10, 12]) == [12]  # 10 touched: 11 is now the oldest
+    assert p.place(12, protected={10, 12}) == (p.slot(12), 11)

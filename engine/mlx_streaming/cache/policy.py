@@ -27,6 +27,14 @@ class LRUSlots:
         if expert in self._recency:
             self._recency.move_to_end(expert)
 
+    def admit(self, experts: Sequence[int]) -> List[int]:
+        """One call's ``experts`` are routed: touch each; the ones not resident, in order (the caller places
+        them, protected by ``experts``)."""
+        missing = [e for e in experts if e not in self._slot_of]
+        for e in experts:
+            self.touch(e)
+        return missing
+
     def place(self, expert: int, protected: Collection[int] = ()) -> Tuple[int, Optional[int]]:
         """Give a slot to a non-resident ``expert``: a free one, else the LRU unpinned expert's that is not
         ``protected`` (the experts the current step needs). Returns (slot, evicted expert or None)."""

@@ -122,10 +122,11 @@ class ExpertStore:
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
 
-    def route(self, layer: int, routed: np.ndarray) -> List[int]:
-        """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts."""
+    def route(self, layer: int, routed: np.ndarray, experts: Optional[List[int]] = None) -> List[int]:
+        """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts
+        (``experts``, where the caller has them already)."""
         start = time.perf_counter()
-        experts = _distinct(routed)
+        experts = _distinct(routed) if experts is None else experts
         if self.route_log is not None:
             self.route_log.append((layer, routed.size // routed.shape[-1], experts))
         if self._resident(layer, experts):
@@ -193,13 +194,14 @@ class ExpertStore:
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()  # the miss check
         bounds = np.cumsum([indices.size for _, indices in routes])[:-1]
-        per_layer = [(layer, routed.reshape(indices.shape)) for (layer, indices), routed in zip(routes, np.split(hosted, bounds))]
-        resident = all(self._resident(layer, _distinct(routed)) for layer, routed in per_layer)
+        calls = [(layer, routed.reshape(indices.shape), _distinct(routed))
+                 for (layer, indices), routed in zip(routes, np.split(hosted, bounds))]
+        resident = all(self._resident(layer, experts) for layer, _, experts in calls)
         self.counters.route_s += time.perf_counter() - start
         if resident:
             self._defer_backoff = 1
-            for layer, routed in per_layer:
-                self.acquire(layer, self.route(layer, routed))
+            for layer, routed, experts in calls:
+                self.acquire(layer, self.route(layer, routed, experts))
                 self.layer_done(layer)
         else:
             self.counters.deferred_retries += 1
@@ -210,21 +212,19 @@ class ExpertStore:
         """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
         start = time.perf_counter()
         policy = self.policies[layer]
-        slots, pinned = self._slots[layer], policy.pinned
-        missing = [e for e in experts if slots[e] < 0]
+        pinned = policy.pinned
         loose = sum(e not in pinned for e in experts)
         if loose > self.capacity - len(pinned):
             raise PoolTooSmallError(
                 f"layer {layer}: {loose} unpinned experts needed at once, but the pool has "
                 f"{self.capacity - len(pinned)} unpinned slots (pool_slots={self.capacity})"
             )
+        missing = policy.admit(experts)
         if self.record:
             self._routed[layer][list(experts)] += 1
         if self.predictor is not None:
             self.predictor.account(layer, experts, {e for e in experts if e not in missing}, self.prefetcher.state)
         self.counters.hits += len(experts) - len(missing)
-        for e in experts:
-            policy.touch(e)
         self.counters.route_s += time.perf_counter() - start
         if missing:
             self._load(layer, missing, protected=set(experts))

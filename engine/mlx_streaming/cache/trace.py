@@ -3,8 +3,8 @@
 A trace is the store's route log of one run (``store.route_log``): per MoE layer call, in call order, its layer,
 its tokens and its distinct experts; prompt and decode (and the MTP head's layer where the head ran). The ids a
 greedy run produces do not depend on the pool, so neither does its trace. ``replay`` runs a trace through the
-engine's own residency code, ``LRUSlots`` and ``expert_groups``, the way ``ExpertStore.acquire`` does: per call,
-per group, the experts resident are hits (and touched), the rest are placed, protected by the group. So its
+engine's own residency code, ``expert_groups`` and ``LRUSlots.admit`` / ``place``, the way ``ExpertStore.acquire``
+does: per call, per group, the experts resident are hits (and touched), the rest are placed, protected by the group. So its
 hits and misses equal a live run's at the same pool size (without prefetch, which changes only where a miss's
 bytes come from, not what is resident). ``curve`` replays every pool size from ``top_k`` to every expert.
 """
@@ -84,12 +84,10 @@ def replay(trace: dict, slots: int, pinned: Optional[Dict[int, List[int]]] = Non
     for i, (layer, _, experts) in enumerate(trace["calls"]):
         policy = policies[layer]
         for group in expert_groups(experts, policy.pinned, slots):
-            missing = [e for e in group if policy.slot(e) is None]
+            missing = policy.admit(group)
             hits += len(group) - len(missing)
             misses += len(missing)
             decode_misses += len(missing) if i >= trace["decode_from"] else 0
-            for e in group:
-                policy.touch(e)
             for e in missing:
                 policy.place(e, set(group))
     return {"slots": slots, "hits": hits, "misses": misses, "hit_rate": hits / max(1, hits + misses),
