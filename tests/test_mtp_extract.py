@@ -50,3 +50,27 @@ def test_load_mtp_reads_bf16_and_quantized_files_alike(tmp_path, tiny_synth):
     stored = hf_mtp["mtp.norm.weight"].astype(mx.float32)
     assert mx.allclose(kept.norm.weight.astype(mx.float32), stored + 1.0, atol=1e-2).item()
     assert abs(float(stored.mean())) < 0.1 and abs(float(kept.norm.weight.astype(mx.float32).mean()) - 1.0) < 0.1
+
+
+def test_group_size_is_the_converters_option(tiny_synth):
+    """``--q-group-size 32`` (what a model with 32-wide experts needs) quantizes the head in groups of 32, the
+    router gates 8-bit in groups of 64, as ``mlx_lm.convert -q --q-group-size 32`` does the main model."""
+    import json
+
+    from mlx_lm.models.qwen3_next import ModelArgs
+
+    from mlx_streaming.checkpoint.mtp_extract import convert_mtp
+
+    config = json.loads((tiny_synth["mlx"] / "config.json").read_text())
+    hf_mtp = {}
+    for shard in tiny_synth["hf"].glob("model-*.safetensors"):
+        hf_mtp.update({k: v for k, v in mx.load(str(shard)).items() if k.startswith("mtp.")})
+    weights = convert_mtp(hf_mtp, ModelArgs.from_dict(config), bits=4, group_size=32)
+    groups = {}
+    for name, scales in weights.items():
+        if name.endswith(".scales"):
+            base = name.removesuffix(".scales")
+            bits = 8 if base.endswith(("mlp.gate", "shared_expert_gate")) else 4
+            groups[base] = (weights[f"{base}.weight"].shape[-1] * 32 // bits) // scales.shape[-1]
+    assert groups and all(g == (64 if b.endswith(("mlp.gate", "shared_expert_gate")) else 32) for b, g in groups.items())
+    assert any(b.endswith("switch_mlp.down_proj") for b in groups)

@@ -306,7 +306,7 @@ def cmd_checksum(args) -> None:
 def cmd_extract_mtp(args) -> None:
     from .checkpoint.mtp_extract import extract_mtp
 
-    print(extract_mtp(args.hf, args.out, bits=args.bits))
+    print(extract_mtp(args.hf, args.out, bits=args.bits, group_size=args.q_group_size))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -443,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, metavar="DIR", required=True,
                    help="the file to write (usually MODEL/mtp.safetensors); a new file, or one extract-mtp wrote")
     p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 6, 8), help="expert and projection bits (default 4)")
+    p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128),
+                   help="quantization group size, as mlx_lm.convert's option of that name (default 64)")
     p.set_defaults(func=cmd_extract_mtp)
     return parser
 

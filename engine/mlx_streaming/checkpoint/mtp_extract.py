@@ -19,7 +19,7 @@ from ..mtp.head import MTPHead, is_zero_centred
 from .experts import ExpertIndex
 from .manifest import write_manifest
 from .output import fresh_file, writer_metadata
-from .quantize import BITS, quant_plan, quantize_weights
+from .quantize import BITS, GROUP_SIZE, quant_plan, quantize_weights
 from .safetensors import read_checkpoint_headers, read_header
 
 MTP_FILE = "mtp.safetensors"
@@ -28,9 +28,10 @@ MTP_PREFIX = "mtp.layers.0.mlp"
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: Optional[int] = BITS) -> Dict[str, mx.array]:
+def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: Optional[int] = BITS,
+                group_size: int = GROUP_SIZE) -> Dict[str, mx.array]:
     """Original-layout ``mtp.*`` tensors -> the MLX layout (still ``mtp.``-prefixed), quantized to ``bits``
-    (router gates 8-bit), or left bf16 when ``bits`` is None."""
+    in groups of ``group_size`` (router gates 8-bit), or left bf16 when ``bits`` is None."""
     weights = {k.removeprefix("mtp."): v for k, v in hf_weights.items() if k.startswith("mtp.")}
     prefix = MTP_PREFIX.removeprefix("mtp.")
     for proj in EXPERT_PROJS:
@@ -49,13 +50,13 @@ def convert_mtp(hf_weights: Dict[str, mx.array], args: ModelArgs, bits: Optional
 
     def with_bits(path, module):
         choice = predicate(path, module)
-        return choice if isinstance(choice, dict) else {"group_size": 64, "bits": bits}
+        return choice if isinstance(choice, dict) else {"group_size": group_size, "bits": bits}
 
-    quantized = quantize_weights(weights, quant_plan(template, with_bits))
+    quantized = quantize_weights(weights, quant_plan(template, with_bits, group_size=group_size))
     return {f"mtp.{k}": v for k, v in quantized.items()}
 
 
-def extract_mtp(hf_dir: Path, out_file: Path, bits: int = BITS) -> Path:
+def extract_mtp(hf_dir: Path, out_file: Path, bits: int = BITS, group_size: int = GROUP_SIZE) -> Path:
     """``mlx-streaming extract-mtp``: read the original checkpoint's ``mtp.*`` lazily, write ``out_file``."""
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
@@ -70,7 +71,7 @@ def extract_mtp(hf_dir: Path, out_file: Path, bits: int = BITS) -> Path:
     for shard in shards:
         hf_weights.update({k: v for k, v in mx.load(str(shard)).items() if k.startswith("mtp.")})
     args = ModelArgs.from_dict(config)
-    weights = convert_mtp(hf_weights, args, bits)
+    weights = convert_mtp(hf_weights, args, bits, group_size)
     with fresh_file(out_file, "extract-mtp") as partial:
         mx.save_safetensors(str(partial), weights, metadata=writer_metadata("extract-mtp"))
     out_file = Path(out_file).absolute()

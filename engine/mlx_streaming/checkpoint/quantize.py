@@ -17,19 +17,22 @@ GROUP_SIZE = 64
 BITS = 4
 
 
-def quant_plan(template: nn.Module, predicate: Callable, prefix: str = "") -> Dict[str, dict]:
-    """``{module path: {"group_size", "bits"}}`` for every module the converter would quantize."""
+def quant_plan(template: nn.Module, predicate: Callable, prefix: str = "",
+               group_size: int = GROUP_SIZE) -> Dict[str, dict]:
+    """``{module path: {"group_size", "bits"}}`` for every module the converter would quantize with
+    ``group_size`` as its default (``--q-group-size``): a module whose input width the default group does
+    not divide stays unquantized, as in ``mlx_lm.utils.quantize_model``."""
     plan = {}
     for path, module in template.named_modules():
         if not path or not hasattr(module, "to_quantized"):
             continue
-        if module.weight.shape[-1] % GROUP_SIZE != 0:
+        if module.weight.shape[-1] % group_size != 0:
             continue
         full = prefix + path
         choice = predicate(full, module)
         if choice is False:
             continue
-        plan[full] = choice if isinstance(choice, dict) else {"group_size": GROUP_SIZE, "bits": BITS}
+        plan[full] = choice if isinstance(choice, dict) else {"group_size": group_size, "bits": BITS}
     return plan
 
 

@@ -9,7 +9,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Model, ModelArgs
 from mlx_lm.utils import infer_quant_config
 
-from ..checkpoint.quantize import quant_plan
+from ..checkpoint.quantize import GROUP_SIZE, quant_plan
 from ..checkpoint.safetensors import read_header
 from ..errors import ConfigMismatchError
 from .head import MTPHead
@@ -34,7 +34,8 @@ def load_mtp(model_config: dict, path, quantize: bool = True, lazy: bool = False
     except ValueError as exc:
         raise ConfigMismatchError(f"{path}: the MTP weights do not match config.json: {exc}") from None
     if quantize and not any(k.endswith(".scales") for k in weights):
-        plan = quant_plan(head, Model(args).quant_predicate)
+        group_size = model_config.get("quantization", {}).get("group_size", GROUP_SIZE)
+        plan = quant_plan(head, Model(args).quant_predicate, group_size=group_size)
         nn.quantize(head, class_predicate=lambda p, m: plan.get(p, False))
     if not lazy:
         mx.eval(head.parameters())
