@@ -160,7 +160,8 @@ class ExpertStore:
     def begin_forward(self, tokens: int) -> bool:
         """Whether the forward about to run on ``tokens`` tokens defers its miss check: ``miss_check`` is
         "token", the call is short, and the last deferred forwards found their experts (after a retry the
-        store waits 1, 2, 4 ... forwards, up to 64, before deferring again)."""
+        store waits 1, 2, 4 ... forwards, up to 64, before deferring again; not with identity slots, where a
+        miss is an expert's first load and cannot recur, so the next forward defers again)."""
         if self.miss_check != "token" or tokens > 16 or self.deferring:
             return False
         if self._defer_wait:
@@ -205,7 +206,8 @@ class ExpertStore:
                 self.layer_done(layer)
         else:
             self.counters.deferred_retries += 1
-            self._defer_wait, self._defer_backoff = self._defer_backoff, min(64, 2 * self._defer_backoff)
+            if not self.identity_slots:
+                self._defer_wait, self._defer_backoff = self._defer_backoff, min(64, 2 * self._defer_backoff)
         return resident
 
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
