@@ -16,14 +16,16 @@ MODEL = default_model()
 
 def test_it_is_the_trained_qwen3_next_in_the_public_mlx_layout():
     config = json.loads((MODEL / "config.json").read_text())
-    assert config["model_type"] == "qwen3_next" and config["num_experts"] >= 32 and config["num_experts_per_tok"] >= 4
+    assert config["model_type"] == "qwen3_next" and config["num_experts"] >= 128
+    assert config["num_experts_per_tok"] / config["num_experts"] <= 0.04  # Qwen3-Next-80B: 10 of 512
     assert config["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
     assert config["norm_topk_prob"] and config["shared_expert_intermediate_size"] > 0
-    assert (config["quantization"]["group_size"], config["quantization"]["bits"]) == (64, 4)
+    assert (config["quantization"]["group_size"], config["quantization"]["bits"]) == (32, 4)
     assert config["quantization"]["model.layers.0.mlp.gate"]["bits"] == 8
     assert sum(p.stat().st_size for p in MODEL.iterdir()) <= 25 << 20
     report = training_report(MODEL)
-    assert report["steps"] > 0 and report["heldout"]["loss_bf16"] < 3.0  # far below ln(4096) = 8.3
+    assert report["epochs"] >= 1 and report["heldout"]["loss_bf16"] < 3.0  # far below ln(4096) = 8.3
+    assert min(report["expert_usage"]["min_share"]) > 0  # every expert of every layer is routed to
 
 
 def test_heldout_loss_in_mlx_is_within_3_percent_of_pytorch():
@@ -39,7 +41,7 @@ def test_heldout_loss_in_mlx_is_within_3_percent_of_pytorch():
 def test_engine_mtp_acceptance_is_close_to_pytorchs():
     """Accepted drafts per verify step at K=3 on held-out prompts, against the training script's figure."""
     prompts = heldout_sequences(MODEL)[:4, :64].tolist()
-    with build_streaming_model(MODEL, StreamingConfig(pool_slots=12, mtp=True)) as sm:
+    with build_streaming_model(MODEL, StreamingConfig(pool_fraction=0.25, mtp=True)) as sm:
         engine = mtp_acceptance(sm, prompts, 48, ks=(3,))["3"]
     torch = training_report(MODEL)["mtp_accept_bf16"]["avg_accepted_drafts"]["3"]
     assert abs(engine - torch) / torch < 0.25, (engine, torch)

@@ -3,20 +3,23 @@
 One command on a CUDA machine with PyTorch, transformers (``Qwen3NextForCausalLM``), tokenizers and
 safetensors; nothing is downloaded:
 
-    python3 training/train_small.py --out OUT [--train-seconds 300]
+    python3 training/train_small.py --out OUT [--epochs 1] [--measure-steps N]
 
 Corpus: the ``*.py`` files of the running Python's site-packages, split by file (a file whose path hashes
 to ``crc32 % 100 < 2`` is held out). Tokenizer: byte-level BPE trained on the training split. Model: the
-Qwen3-Next layout scaled down (see ``model_config``), trained from scratch with the main next-token loss
-plus ``--mtp-weight`` x the MTP head's loss on token t+2, with the router's load-balancing loss.
+Qwen3-Next layout scaled down (see ``model_config``: 128 routed experts, top-4, a shared expert), trained
+from scratch for ``--epochs`` passes over the training split with the main next-token loss plus
+``--mtp-weight`` x the MTP head's loss on token t+2, and the router's load-balancing loss. Transformers'
+Gated-DeltaNet runs on flash-linear-attention's kernels where that package is importable.
 
-Writes, in the original (Hugging Face) layout, bf16:
-    OUT/hf/model-*.safetensors   the main model (per-expert keys, as ``save_pretrained`` writes them)
-    OUT/hf/model-mtp.safetensors the MTP head under ``mtp.*`` (listed in the index like any shard)
-    OUT/meta.tar                 config.json, the index, tokenizer files, heldout.safetensors, report.json
-    OUT/train.log                what it printed
-``report.json`` holds the settings and the figures the engine is compared against: held-out loss (fp32 and
-bf16), MTP draft acceptance on greedy continuations at K = 2, 3, 4, a generated sample.
+Writes ``OUT/model.tar.xz.NN`` (parts of one xz tar; ``cat OUT/model.tar.xz.* | tar -xJ -C OUT``) holding:
+    hf/model-*.safetensors      the main model in the original (Hugging Face) layout, bf16
+    hf/model-mtp.safetensors    the MTP head under ``mtp.*`` (listed in the index like any shard)
+    hf/config.json, the index, the tokenizer files
+    meta/heldout.safetensors    the held-out sequences
+    meta/heldout_pytorch.json   PyTorch's loss on each of them (bf16 weights)
+    meta/report.json            settings and figures: held-out loss and bits per byte, expert usage, MTP
+                                draft acceptance at K = 2, 3, 4, generated samples
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
+import subprocess
 import sys
-import tarfile
 import time
 import zlib
 from pathlib import Path
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.utils.import_utils import is_flash_linear_attention_available
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextDecoderLayer,
     Qwen3NextRMSNorm,
@@ -156,25 +159,65 @@ def forward_losses(model, mtp, ids, aux_weight):
     m = mtp(emb, hidden[:, :-2], positions(model, emb, emb.shape[1]))
     mtp_logits = model.lm_head(m)
     mtp_loss = F.cross_entropy(mtp_logits.float().reshape(-1, mtp_logits.shape[-1]), ids[:, 2:].reshape(-1))
-    aux = load_balancing_loss_func(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok)
+    # Balanced per layer, not only over all layers together: a global balance leaves dead experts in a layer.
+    config = model.config
+    aux = torch.stack([load_balancing_loss_func((logits,), config.num_experts, config.num_experts_per_tok)
+                       for logits in out.router_logits]).mean()
     return main, mtp_loss, aux
 
 
-def batches(stream, batch, seq, generator):
-    starts = torch.randint(0, stream.numel() - seq - 1, (batch,), generator=generator)
-    return torch.stack([stream[s:s + seq] for s in starts.tolist()])
+def epoch_batches(stream, batch, seq, generator):
+    """Batches of ``seq``-token windows that cover the stream once per epoch: the stream is cut into
+    non-overlapping windows, and each epoch visits all of them in a new random order."""
+    windows = stream[: stream.numel() // seq * seq].reshape(-1, seq)
+    while True:
+        order = torch.randperm(windows.shape[0], generator=generator)
+        for i in range(0, order.numel() - batch + 1, batch):
+            yield windows[order[i:i + batch]]
+
+
+def steps_for(args, train_tokens):
+    """Steps for ``--epochs`` passes over the training split (``--steps`` overrides)."""
+    return args.steps or math.ceil(args.epochs * (train_tokens // args.seq) / args.batch)
 
 
 @torch.no_grad()
-def heldout_loss(model, sequences, batch=16):
-    total, count = 0.0, 0
+def heldout_losses(model, sequences, batch=16):
+    """Mean next-token loss of each held-out sequence."""
+    losses = []
     for i in range(0, sequences.shape[0], batch):
         ids = sequences[i:i + batch].to(DEVICE)
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                 reduction="sum").item()
-        count += ids[:, 1:].numel()
-    return total / count
+        per_token = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        losses.extend(per_token.mean(1).tolist())
+    return losses
+
+
+def bits_per_byte(tokenizer, sequences, losses):
+    """Held-out loss in bits per byte of text predicted, which stays comparable across tokenizers. A
+    byte-level BPE token's string holds one character per byte; the EOS token holds none."""
+    special = tokenizer.token_to_id(EOS)
+    nbytes = sum(0 if t == special else len(tokenizer.id_to_token(t)) for t in sequences[:, 1:].reshape(-1).tolist())
+    nats = sum(losses) * (sequences.shape[1] - 1)
+    return nats / math.log(2) / nbytes
+
+
+@torch.no_grad()
+def expert_usage(model, sequences, batch=16):
+    """Per MoE layer, the routed share of the least and the most used expert on held-out text (a share is
+    the expert's part of all top-k selections; uniform routing gives 1 / experts)."""
+    config = model.config
+    counts = torch.zeros(config.num_hidden_layers, config.num_experts, dtype=torch.int64)
+    for i in range(0, sequences.shape[0], batch):
+        out = model.model(input_ids=sequences[i:i + batch].to(DEVICE), use_cache=False, output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):
+            chosen = logits.topk(config.num_experts_per_tok, dim=-1).indices.reshape(-1).cpu()
+            counts[layer] += torch.bincount(chosen, minlength=config.num_experts)
+    shares = counts.double() / counts.sum(1, keepdim=True)
+    return {"uniform_share": 1 / config.num_experts,
+            "min_share": [round(v, 5) for v in shares.min(1).values.tolist()],
+            "max_share": [round(v, 5) for v in shares.max(1).values.tolist()],
+            "unused_experts": (counts == 0).sum(1).tolist()}
 
 
 @torch.no_grad()
@@ -238,8 +281,8 @@ def split_experts(state, prefix, num_experts):
     return out
 
 
-def save_checkpoint(model, mtp, tokenizer, hf_dir, meta_dir):
-    model.to(torch.bfloat16).save_pretrained(hf_dir, max_shard_size="16MB")
+def save_checkpoint(model, mtp, tokenizer, hf_dir):
+    model.to(torch.bfloat16).save_pretrained(hf_dir)
     mtp_state = split_experts({k: v.detach().to(torch.bfloat16).cpu() for k, v in mtp.state_dict().items()},
                               "mtp.", model.config.num_experts)
     save_file(mtp_state, str(hf_dir / "model-mtp.safetensors"), metadata={"format": "pt"})
@@ -260,9 +303,22 @@ def save_checkpoint(model, mtp, tokenizer, hf_dir, meta_dir):
     config["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
     (hf_dir / "config.json").write_text(json.dumps(config, indent=2))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS).save_pretrained(hf_dir)
-    for name in os.listdir(hf_dir):
-        if not name.endswith(".safetensors"):
-            (meta_dir / name).write_bytes((hf_dir / name).read_bytes())
+
+
+def pack_for_transfer(out, part_mib):
+    """``OUT/model.tar.xz.NN``: hf/ and meta/ in one xz tar, cut into parts of ``part_mib`` MiB.
+
+    What comes back from the GPU machine is limited in file count and size; xz takes bf16 weights to about
+    70% of their size. ``cat OUT/model.tar.xz.* | tar -xJ -C OUT`` restores both folders."""
+    archive = out / "model.tar.xz"
+    subprocess.run(["tar", "-cf", str(archive), "-I", "xz -T0 -6", "-C", str(out), "hf", "meta"], check=True)
+    data, part = archive.read_bytes(), int(part_mib * 2**20)
+    for i in range(0, len(data), part):
+        (out / f"model.tar.xz.{i // part:02d}").write_bytes(data[i:i + part])
+    archive.unlink()
+    shutil.rmtree(out / "hf")
+    shutil.rmtree(out / "meta")
+    return len(data)
 
 
 # ---------------------------------------------------------------- main
@@ -275,25 +331,36 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=48)
+    p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--moe-intermediate", type=int, default=64)
+    p.add_argument("--moe-intermediate", type=int, default=32)
     p.add_argument("--shared-intermediate", type=int, default=256)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=128)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--train-seconds", type=float, default=300, help="sets the step count from measured speed")
-    p.add_argument("--steps", type=int, default=0, help="fixed step count (overrides --train-seconds)")
-    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument("--epochs", type=float, default=1.25, help="passes over the training split")
+    p.add_argument("--steps", type=int, default=0, help="fixed step count (overrides --epochs)")
+    p.add_argument("--measure-steps", type=int, default=0,
+                   help="time this many steps, print the speed and the time --epochs would take, and stop")
+    p.add_argument("--mtp-weight", type=float, default=0.5)
     p.add_argument("--aux-weight", type=float, default=0.01)
     p.add_argument("--heldout-seqs", type=int, default=64)
     p.add_argument("--accept-prompts", type=int, default=16)
     p.add_argument("--accept-new", type=int, default=96)
-    p.add_argument("--max-bf16-mib", type=float, default=60)
+    p.add_argument("--part-mib", type=float, default=15.5, help="size of each returned part of model.tar.xz")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cpu runs a smoke test of the recipe")
     return p.parse_args(argv)
+
+
+def newline_prompt(heldout_texts, lines=6):
+    """The first held-out file with at least ``lines`` non-empty lines, cut after its ``lines``-th line."""
+    for text in heldout_texts:
+        head = text.split("\n")[:lines]
+        if len(head) == lines and all(line.strip() for line in head):
+            return "\n".join(head) + "\n"
+    return heldout_texts[0].split("\n")[0] + "\n"
 
 
 def main(argv=None):
@@ -325,22 +392,23 @@ def main(argv=None):
     init_mtp(mtp, config.initializer_range)
     n_main = sum(p.numel() for p in model.parameters())
     n_mtp = sum(p.numel() for p in mtp.parameters())
-    bf16_mib = 2 * (n_main + n_mtp) / 2**20
-    log(f"model: {n_main / 1e6:.2f}M parameters + MTP {n_mtp / 1e6:.2f}M = {bf16_mib:.1f} MiB in bf16; "
-        f"experts {config.num_experts} top-{config.num_experts_per_tok}, layers {config.layer_types}")
-    if bf16_mib > args.max_bf16_mib:
-        raise SystemExit(f"model too large to come back: {bf16_mib:.1f} MiB > {args.max_bf16_mib} MiB")
+    log(f"model: {n_main / 1e6:.2f}M parameters + MTP {n_mtp / 1e6:.2f}M = {2 * (n_main + n_mtp) / 2**20:.1f} MiB "
+        f"in bf16; experts {config.num_experts} top-{config.num_experts_per_tok} "
+        f"({config._experts_implementation}), flash-linear-attention kernels: "
+        f"{is_flash_linear_attention_available()}, layers {config.layer_types}")
 
     params = list(model.parameters()) + list(mtp.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), fused=True)
-    gen = torch.Generator().manual_seed(args.seed)
-    total_steps, step, t_train = args.steps or 10**9, 0, time.time()
+                            lr=args.lr, betas=(0.9, 0.95), fused=DEVICE.type == "cuda")
+    data = epoch_batches(train_ids, args.batch, args.seq, torch.Generator().manual_seed(args.seed))
+    total_steps = steps_for(args, train_ids.numel())
     tokens_per_step = args.batch * args.seq
+    log(f"{total_steps} steps of {tokens_per_step} tokens: {args.epochs if not args.steps else '-'} epochs")
     model.train()
     mtp.train()
+    step, t_train, t_timed = 0, time.time(), None
     while step < total_steps:
         if step < args.warmup:
             lr = args.lr * (step + 1) / args.warmup
@@ -349,7 +417,7 @@ def main(argv=None):
             lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
         for group in opt.param_groups:
             group["lr"] = lr
-        ids = batches(train_ids, args.batch, args.seq, gen).to(DEVICE)
+        ids = next(data).to(DEVICE)
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             main_loss, mtp_loss, aux = forward_losses(model, mtp, ids, args.aux_weight)
             loss = main_loss + args.mtp_weight * mtp_loss + args.aux_weight * aux
@@ -358,12 +426,17 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        if step == 30 and not args.steps:
+        if args.measure_steps and step in (5, 5 + args.measure_steps):  # the first steps compile kernels
             if DEVICE.type == "cuda":
                 torch.cuda.synchronize()
-            per_step = (time.time() - t_train) / step
-            total_steps = max(args.warmup + 1, int(args.train_seconds / per_step))
-            log(f"measured {per_step * 1000:.0f} ms/step -> {total_steps} steps")
+            if step == 5:
+                t_timed = time.time()
+                continue
+            per_step = (time.time() - t_timed) / args.measure_steps
+            log(f"measured: {per_step * 1000:.0f} ms/step, {tokens_per_step / per_step:,.0f} tok/s; "
+                f"{total_steps} steps would take {total_steps * per_step:.0f} s "
+                f"(start-up {t_train - t_start:.0f} s, first 5 steps {t_timed - t_train:.0f} s)")
+            return
         if step % 100 == 0 or step == total_steps:
             elapsed = time.time() - t_train
             log(f"step {step}/{total_steps} loss {main_loss.item():.3f} mtp {mtp_loss.item():.3f} "
@@ -374,17 +447,20 @@ def main(argv=None):
 
     n_held = min(args.heldout_seqs, heldout_ids.numel() // args.seq)
     heldout = heldout_ids[: n_held * args.seq].reshape(n_held, args.seq)
+    losses_fp32 = heldout_losses(model, heldout)
     report = {"settings": vars(args) | {"out": str(args.out)}, "steps": step,
-              "tokens_trained": step * tokens_per_step, "train_seconds": round(train_s, 1),
-              "tokens_per_second": round(step * tokens_per_step / train_s),
+              "tokens_trained": step * tokens_per_step, "epochs": step * tokens_per_step / train_ids.numel(),
+              "train_seconds": round(train_s, 1), "tokens_per_second": round(step * tokens_per_step / train_s),
               "parameters": {"main": n_main, "mtp": n_mtp},
               "corpus": {"train_files": len(train_texts), "heldout_files": len(heldout_texts),
                          "train_tokens": train_ids.numel(), "heldout_tokens": heldout_ids.numel()},
-              "heldout": {"sequences": n_held, "seq_len": args.seq,
-                          "loss_fp32": heldout_loss(model, heldout)}}
+              "heldout": {"sequences": n_held, "seq_len": args.seq, "loss_fp32": sum(losses_fp32) / n_held}}
     model.to(torch.bfloat16)
     mtp.to(torch.bfloat16)
-    report["heldout"]["loss_bf16"] = heldout_loss(model, heldout)
+    losses = heldout_losses(model, heldout)
+    report["heldout"]["loss_bf16"] = sum(losses) / n_held
+    report["heldout"]["bits_per_byte_bf16"] = bits_per_byte(tokenizer, heldout, losses)
+    report["expert_usage"] = expert_usage(model, heldout)
     prompt_len = 64
     starts = torch.arange(args.accept_prompts) * (heldout_ids.numel() // (args.accept_prompts + 1))
     prompts = torch.stack([heldout_ids[s:s + prompt_len] for s in starts.tolist()])
@@ -392,21 +468,21 @@ def main(argv=None):
     report["mtp_accept_bf16"] = {"prompts": args.accept_prompts, "prompt_len": prompt_len,
                                  "new_tokens": args.accept_new, "avg_accepted_drafts":
                                  mtp_acceptance(model, mtp, seqs, prompt_len)}
-    sample_prompt = torch.tensor([tokenizer.encode("def fibonacci(n):\n").ids])
-    report["sample"] = tokenizer.decode(greedy(model, sample_prompt, 64)[0].tolist())
+    report["samples"] = {}
+    for prompt in ("def fibonacci(n):\n", newline_prompt(heldout_texts)):
+        ids = torch.tensor([tokenizer.encode(prompt).ids])
+        report["samples"][prompt] = tokenizer.decode(greedy(model, ids, 64)[0].tolist())
     log(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
 
-    save_checkpoint(model, mtp, tokenizer, hf_dir, meta_dir)
+    save_checkpoint(model, mtp, tokenizer, hf_dir)
     save_file({"tokens": heldout.to(torch.int32)}, str(meta_dir / "heldout.safetensors"))
     (meta_dir / "report.json").write_text(json.dumps(report, indent=1))
-    with tarfile.open(args.out / "meta.tar", "w") as tar:
-        tar.add(meta_dir, arcname="meta")
-    # What comes back from the GPU machine is limited in file count: the small files travel in meta.tar.
-    shutil.rmtree(meta_dir)
-    for path in hf_dir.iterdir():
-        if path.suffix != ".safetensors":
-            path.unlink()
-    log(f"done in {time.time() - t_start:.0f} s; files: {sorted(os.listdir(hf_dir))}")
+    (meta_dir / "heldout_pytorch.json").write_text(json.dumps(
+        {"checkpoint": "bf16 original layout", "framework": f"torch {torch.__version__} ({DEVICE.type})",
+         "seq_len": args.seq, "loss_per_sequence": losses, "mean": report["heldout"]["loss_bf16"]}, indent=1))
+    packed = pack_for_transfer(args.out, args.part_mib)
+    log(f"done in {time.time() - t_start:.0f} s; model.tar.xz {packed / 2**20:.1f} MiB in "
+        f"{sorted(p.name for p in args.out.glob('model.tar.xz.*'))}")
 
 
 if __name__ == "__main__":

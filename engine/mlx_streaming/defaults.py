@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
-DEFAULT_MODEL_NAME = "qwen3-next-code-28m"
+DEFAULT_MODEL_NAME = "qwen3-next-code-35m"
 
 
 def default_model() -> Path:

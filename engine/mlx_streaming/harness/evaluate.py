@@ -2,7 +2,7 @@
 
 The embedded default model carries ``heldout.safetensors`` (token sequences from files the training never
 saw), ``training_report.json`` (what PyTorch measured in training) and ``heldout_pytorch.json`` (PyTorch's
-loss on each held-out sequence, from ``training/pytorch_heldout.py``, so that a subset compares like with
+loss on each held-out sequence, written by ``training/train_small.py``, so that a subset compares like with
 like: MLX's CPU backend takes about 25 s per 512-token sequence). ``mlx-streaming evaluate`` measures the
 same figures here, side by side with the recorded ones.
 """
