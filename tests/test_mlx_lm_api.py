@@ -2,6 +2,7 @@
 processors, ``mlx-streaming chat`` and ``mlx-streaming serve`` (mlx-lm's OpenAI-compatible server)."""
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -121,12 +122,32 @@ def test_server_lists_its_model(server, model_dir):
     assert [m["id"] for m in models] == [str(model_dir.resolve())]
 
 
-def test_server_greedy_completion_equals_in_memory_greedy(server, model_dir, inmemory_greedy):
+def _speculative_requests(server_log) -> list:
+    """The server's line per greedy request that ran MTP speculation: (steps, accepted drafts)."""
+    return [tuple(map(int, m)) for m in re.findall(r"speculative: (\d+) steps, (\d+) accepted drafts", server_log.read_text())]
+
+
+def test_server_greedy_completion_equals_in_memory_greedy_and_speculates(server, server_log, model_dir, inmemory_greedy):
     tokenizer = load_tokenizer(model_dir)
     expected = inmemory_greedy(PROMPT, 16)
+    before = len(_speculative_requests(server_log))
     reply = json.loads(_get(f"{server}/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}))
     assert reply["choices"][0]["text"] == expected
     assert reply["usage"]["completion_tokens"] == 16 and reply["usage"]["prompt_tokens"] == len(tokenizer.encode(PROMPT))
+    runs = _speculative_requests(server_log)
+    assert len(runs) == before + 1 and 0 < runs[-1][0] < 16  # fewer verify steps than tokens: drafts were committed
+
+
+def test_server_samples_as_mlx_lm_does_without_speculation(server, server_log, model_dir):
+    """A sampled request (temperature 0.8, seed 7) gets mlx-lm's in-memory sample, token for token, and no
+    speculation (exact speculative sampling is not built)."""
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    mx.random.seed(7)
+    expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=12, sampler=make_sampler(temp=0.8))
+    before = len(_speculative_requests(server_log))
+    reply = json.loads(_get(f"{server}/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 7}))
+    assert reply["choices"][0]["text"] == expected
+    assert len(_speculative_requests(server_log)) == before
 
 
 def test_server_streams_server_sent_events(server):

@@ -173,7 +173,8 @@ def cmd_chat(args) -> None:
 def cmd_serve(args) -> None:
     from .harness.serve import serve
 
-    serve(_model_dir(args), _config(args), host=args.host, port=args.port, temp=args.temp, top_p=args.top_p)
+    model_dir = _model_dir(args)
+    serve(model_dir, _with_head(model_dir, _config(args)), host=args.host, port=args.port, temp=args.temp, top_p=args.top_p)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -218,13 +219,18 @@ def _plan_of(args):
 
     model_dir, config = _model_dir(args), _config(args)
     if args.command in WITH_HEAD:
-        config = config.replace(mtp=(Path(model_dir) / "mtp.safetensors").exists() or bool(config.mtp_path))
+        config = _with_head(model_dir, config)
     return plan_memory(model_dir, config)
+
+
+def _with_head(model_dir, config):
+    """``config`` with the MTP head loaded where the model folder has one (or ``--mtp-path`` names one)."""
+    return config.replace(mtp=(Path(model_dir) / "mtp.safetensors").exists() or bool(config.mtp_path))
 
 
 #: Commands that build a streaming model (each prints its memory plan first), and those that load the MTP head.
 BUILDS = ("generate", "bench", "chat", "serve", "evaluate")
-WITH_HEAD = ("bench", "evaluate", "plan")
+WITH_HEAD = ("bench", "evaluate", "plan", "serve")
 
 
 def cmd_bench(args) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -47,6 +47,7 @@ class SpecStats:
     accept_hist: List[int] = field(default_factory=list)
     k_hist: List[int] = field(default_factory=list)  #: K of every step (they differ with "auto")
     times: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    chooser: Optional[KChooser] = None  #: the run's K chooser, with K "auto"
 
     def as_dict(self) -> dict:
         wall = sum(self.times.values())
@@ -80,12 +81,27 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
     """``max_tokens`` ids equal to greedy decoding's, and the run's statistics. ``K`` tokens per verify (1: no
     drafts), or "auto": a ``KChooser`` picks K at every step from what it measures. ``on_decode()`` is called
     once the prompt is prefilled (a benchmark starts its counters there)."""
+    stats = SpecStats(verify_mode, K)
+    out = [token for token, _, _ in mtp_stream(model, drafter, prompt_ids, max_tokens, stats, prefill_chunk, on_decode)]
+    result = stats.as_dict()
+    if stats.chooser:
+        result["k_choice"] = stats.chooser.summary()
+    return out, result
+
+
+def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats: SpecStats,
+               prefill_chunk: int = 256, on_decode: Optional[Callable[[], None]] = None
+               ) -> Iterator[Tuple[int, mx.array, bool]]:
+    """``mtp_generate``'s tokens as they are committed: ``(token, logits, from_draft)``, where ``logits`` is
+    the main model's row that chose the token and ``from_draft`` says that the head had drafted it (and the
+    verify accepted it). ``stats`` (its verify mode and K) is filled as the steps run. A step commits up to K
+    tokens at once, so a consumer that stops early leaves the caches past the last token it took."""
+    verify_mode, K = stats.verify_mode, stats.k
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
     if K != "auto" and (not isinstance(K, int) or K < 1):
         raise ValueError(f"K must be a positive integer or 'auto', got {K!r}")
-    chooser = KChooser() if K == "auto" else None
-    stats = SpecStats(verify_mode, K)
+    chooser = stats.chooser = KChooser() if K == "auto" else None
     clock = _Clock(stats.times)
     captures = state_captures(model) if verify_mode == "direct" else []
     cache = make_prompt_cache(model)
@@ -96,14 +112,15 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
         mx.eval(logits, hidden)
         hiddens.append(hidden)
     x = int(mx.argmax(logits[0, -1]))
-    out = [x]
+    produced = 1
     if on_decode is not None:
         on_decode()
     clock.lap("prefill")
+    yield x, logits[0, -1], False
     drafter.extend(list(prompt_ids[1:]) + [x], mx.concatenate(hiddens, axis=1))
 
     unfed: List[Tuple[int, mx.array]] = []  # (token, hidden) pairs of steps without drafts, not yet fed
-    while len(out) < max_tokens:
+    while produced < max_tokens:
         step_start = time.perf_counter()
         k = chooser.choose() if chooser else K
         if k > 1 and unfed:  # the head drafts again: feed it the positions it missed (at most UNFED_KEPT)
@@ -150,7 +167,6 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
             stats.fallback_replays += 1
             stats.replayed_tokens += a + 1
             clock.lap("replay")
-        out.extend(committed)
         x = committed[-1]
         if k > 1:
             drafter.extend(committed, hidden[:, : a + 1])
@@ -159,11 +175,9 @@ def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: 
         clock.lap("draft")
         if chooser:
             chooser.record(k, time.perf_counter() - step_start, a)
+        for i, token in enumerate(committed[: max_tokens - produced]):  # after the step's clocks: the
+            yield token, logits[0, i], i < a                              # consumer's time is not the step's
+        produced += len(committed)
 
-    out = out[:max_tokens]
-    stats.tokens = len(out)
+    stats.tokens = min(produced, max_tokens)
     clock.lap("finalize")
-    result = stats.as_dict()
-    if chooser:
-        result["k_choice"] = chooser.summary()
-    return out, result
