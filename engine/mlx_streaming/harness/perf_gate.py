@@ -68,22 +68,34 @@ def work_counters(stats: Mapping, reader_reads: int, tokens: int, spec: Optional
     return {name: value / tokens for name, value in counts.items()}
 
 
-def ratio_interval(baseline: Sequence[float], current: Sequence[float], seed: int = 0) -> tuple:
+def ratio_interval(baseline: Sequence[float], current: Sequence[float], seed: int = 0,
+                   yardsticks: Optional[tuple] = None) -> tuple:
     """(median ratio current / baseline, its one-sided lower and upper bounds at ``CONFIDENCE``, the
-    bootstrap standard error of the ratio)."""
+    bootstrap standard error of the ratio). With ``yardsticks`` (the yardstick's rounds in the baseline run
+    and in the current run), each run's median is divided by its own yardstick's median first, every median
+    resampled: what moves the whole machine (another load on the host, a slower or faster state of the same
+    CPU) cancels."""
     rng = np.random.default_rng(seed)
-    base, now = np.asarray(baseline, dtype=float), np.asarray(current, dtype=float)
-    ratios = (np.median(rng.choice(now, (RESAMPLES, now.size)), axis=1)
-              / np.median(rng.choice(base, (RESAMPLES, base.size)), axis=1))
+
+    def medians(rounds):
+        rounds = np.asarray(rounds, dtype=float)
+        return np.median(rounds), np.median(rng.choice(rounds, (RESAMPLES, rounds.size)), axis=1)
+
+    (now, now_rs), (base, base_rs) = medians(current), medians(baseline)
+    ratio, ratios = now / base, now_rs / base_rs
+    if yardsticks is not None:
+        (base_y, base_y_rs), (now_y, now_y_rs) = medians(yardsticks[0]), medians(yardsticks[1])
+        ratio, ratios = ratio * base_y / now_y, ratios * base_y_rs / now_y_rs
     tail = 100 * (1 - CONFIDENCE)
-    return (float(np.median(now) / np.median(base)), float(np.percentile(ratios, tail)),
-            float(np.percentile(ratios, 100 - tail)), float(ratios.std()))
+    return (float(ratio), float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail)),
+            float(ratios.std()))
 
 
-def slowdown_verdict(baseline: Sequence[float], current: Sequence[float], threshold: float = DEFAULT_THRESHOLD) -> dict:
-    """The cost rule on two sets of rounds: ratio, interval, the slowdown this noise lets the rule catch 95%
-    of the time, and whether it fails."""
-    ratio, low, high, se = ratio_interval(baseline, current)
+def slowdown_verdict(baseline: Sequence[float], current: Sequence[float], threshold: float = DEFAULT_THRESHOLD,
+                     yardsticks: Optional[tuple] = None) -> dict:
+    """The cost rule on two sets of rounds (relative to the yardstick's, when given): ratio, interval, the
+    slowdown this noise lets the rule catch 95% of the time, and whether it fails."""
+    ratio, low, high, se = ratio_interval(baseline, current, yardsticks=yardsticks)
     return {"ratio": ratio, "low": low, "high": high, "detectable": threshold + 1.645 * se,
             "fail": low > 1.0 and ratio > 1.0 + threshold}
 
@@ -114,7 +126,15 @@ def machine_profile(machine_info: Mapping) -> dict:
 
 def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], same_machine: bool,
           threshold: float = DEFAULT_THRESHOLD) -> List[Row]:
-    """``{scenario: extra_info}`` now and recorded; one row per check made (and per check skipped, saying why)."""
+    """``{scenario: extra_info}`` now and recorded; one row per check made (and per check skipped, saying why).
+
+    The scenario whose ``extra_info`` says ``yardstick`` (mlx-lm's in-memory model: not the engine's code) is
+    the yardstick: every other scenario's cost is judged relative to it, run against run, and its own row
+    reports the machine's drift without judging it."""
+    yardstick = next((s for s, info in current.items() if info.get("yardstick")), None)
+    yard_rounds = None
+    if yardstick and _comparable(baseline.get(yardstick), current[yardstick]):
+        yard_rounds = (baseline[yardstick]["costs"], current[yardstick]["costs"])
     rows = []
     for scenario, now in sorted(current.items()):
         base = baseline.get(scenario)
@@ -124,11 +144,17 @@ def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], same_
         for name in base.get("exact", []):
             b, c = base["counters"].get(name), now.get("counters", {}).get(name)
             rows.append(Row(scenario, f"{name}/token", b, c, "exact", b != c))
-        rows.append(_cost_row(scenario, base, now, same_machine, threshold))
+        rows.append(_cost_row(scenario, base, now, same_machine, threshold,
+                              None if scenario == yardstick else yard_rounds, scenario == yardstick))
     return rows
 
 
-def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, threshold: float) -> Row:
+def _comparable(base: Optional[Mapping], now: Mapping) -> bool:
+    return bool(base and base.get("costs") and now.get("costs") and base.get("unit") == now.get("unit"))
+
+
+def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, threshold: float,
+              yard_rounds: Optional[tuple], is_yardstick: bool) -> Row:
     unit = base.get("unit")
     if not base.get("costs") or not now.get("costs"):
         return Row(scenario, "cost", "-", "-", "no rounds recorded: not compared", False)
@@ -136,9 +162,15 @@ def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, th
         why = f"units differ ({unit} vs {now.get('unit')})" if unit != now.get("unit") else "another machine profile"
         return Row(scenario, "cost", statistics.median(base["costs"]), statistics.median(now["costs"]),
                    f"{why}: not compared", False)
-    v = slowdown_verdict(base["costs"], now["costs"], threshold)
-    detail = (f"x{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}], {len(base['costs'])}/{len(now['costs'])} rounds, "
-              f"catches >= {v['detectable']:.1%} slowdowns; fails above +{threshold:.0%} when clear")
+    if is_yardstick:
+        drift = statistics.median(now["costs"]) / statistics.median(base["costs"])
+        return Row(scenario, unit, round(statistics.median(base["costs"]), 5), round(statistics.median(now["costs"]), 5),
+                   f"the yardstick: the machine's drift x{drift:.3f}, which the other scenarios' costs are divided by "
+                   f"(not judged: it is mlx-lm's code, not the engine's)", False)
+    v = slowdown_verdict(base["costs"], now["costs"], threshold, yard_rounds)
+    relative = "relative to the yardstick, " if yard_rounds else ""
+    detail = (f"{relative}x{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}], {len(base['costs'])}/{len(now['costs'])} "
+              f"rounds, catches >= {v['detectable']:.1%} slowdowns; fails above +{threshold:.0%} when clear")
     return Row(scenario, unit, round(statistics.median(base["costs"]), 5), round(statistics.median(now["costs"]), 5),
                detail, v["fail"])
 
