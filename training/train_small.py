@@ -167,8 +167,8 @@ def forward_losses(model, mtp, ids, aux_weight):
 
 
 def epoch_batches(stream, batch, seq, generator):
-    """Batches of ``seq``-token windows that cover the stream once per epoch: the stream is cut into
-    non-overlapping windows, and each epoch visits all of them in a new random order."""
+    """Batches of ``seq``-token windows: the stream is cut into non-overlapping windows, and each epoch visits
+    them in a new random order, all but the fewer than ``batch`` left over after its last whole batch."""
     windows = stream[: stream.numel() // seq * seq].reshape(-1, seq)
     while True:
         order = torch.randperm(windows.shape[0], generator=generator)
