@@ -4,7 +4,7 @@ the same counters as checking at every MoE layer, and a correct rerun when an ex
 import pytest
 
 from mlx_streaming.config import StreamingConfig
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.generate import greedy_generate, greedy_steps
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
@@ -32,6 +32,8 @@ def test_same_ids_and_counters_as_the_per_layer_check(model_dir, reference_model
     assert token_stats["deferred_forwards"] > 0 and layer_stats["deferred_forwards"] == 0
     if pool == 4:
         assert token_stats["deferred_retries"] > 0  # it tried, found a miss, reran layer by layer
+        # greedy_steps runs one step ahead: the step it had queued behind a miss was dropped, unchecked
+        assert 0 < token_stats["dropped_forwards"] <= token_stats["deferred_retries"]
 
 
 def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
@@ -39,9 +41,22 @@ def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
     _, layer_stats = _run(model_dir, prompt, "layer", warm=64)
     _, token_stats = _run(model_dir, prompt, "token", warm=64)
     forwards = TOKENS  # the prompt's prefill (one chunk) and TOKENS - 1 decode steps
-    assert token_stats["misses"] == 0 and token_stats["deferred_retries"] == 0
+    assert token_stats["misses"] == 0 and token_stats["deferred_retries"] == token_stats["dropped_forwards"] == 0
     assert token_stats["host_syncs"] == token_stats["deferred_forwards"] == forwards
     assert layer_stats["host_syncs"] == forwards * 8  # one per MoE layer call: 8 MoE layers
+
+
+def test_a_loop_stopped_early_drops_the_step_it_queued(model_dir, reference_model, prompt_ids):
+    prompt = prompt_ids[0]
+    with build_streaming_model(model_dir, StreamingConfig(miss_check="token")) as sm:
+        greedy_generate(sm.model, prompt, 8)  # warm: the steps below find their experts resident
+        sm.store.reset_stats()
+        steps = greedy_steps(sm.model, prompt, 8)
+        first = [next(steps)[0] for _ in range(3)]
+        steps.close()
+        assert sm.store.stats()["dropped_forwards"] == 1
+        assert greedy_generate(sm.model, prompt, 6) == greedy_generate(reference_model, prompt, 6)[:6]
+    assert first == greedy_generate(reference_model, prompt, 3)
 
 
 @pytest.mark.parametrize("verify_mode", ["direct", "replay"])

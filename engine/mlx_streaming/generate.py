@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Collection, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -18,16 +18,50 @@ def prefill_chunked(model, prompt_ids: Sequence[int], cache, chunk: int) -> mx.a
     return logits[0, -1]
 
 
-def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chunk: int = 256) -> Iterator[Tuple[int, mx.array]]:
-    """Yield ``(token id, logits it was taken from)`` for each of ``max_tokens`` greedy steps."""
+def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chunk: int = 256,
+                 after_prefill: Optional[Callable[[], None]] = None) -> Iterator[Tuple[int, mx.array]]:
+    """Yield ``(token id, logits it was taken from)`` for each of ``max_tokens`` greedy steps; ``after_prefill()``
+    is called once the prompt is prefilled, before the first decode step is queued.
+
+    One step ahead, as mlx-lm's ``generate_step``: the forward of token n+1 is queued on the device before
+    token n is read back, so the host builds the next graph while the device computes. A streaming model
+    (one with a ``streaming_store``) leaves each forward's check of its routed experts queued; the check of
+    step n is confirmed when its token is read back, and on a miss the step runs again, its experts loaded,
+    after the forward queued behind it is dropped (``ExpertStore.confirm``)."""
+    store = getattr(model, "streaming_store", None)
     cache = make_prompt_cache(model)
     logits = prefill_chunked(model, prompt_ids, cache, prefill_chunk)
-    for step in range(max_tokens):
-        token = int(mx.argmax(logits))
-        yield token, logits
-        if step + 1 < max_tokens:
-            logits = model(mx.array([[token]]), cache=cache)[0, -1]
-            mx.eval(logits)
+    if after_prefill is not None:
+        after_prefill()
+    token, check, previous = mx.argmax(logits), None, None
+    try:
+        for step in range(max_tokens):
+            if step + 1 < max_tokens:
+                queued = _queue_step(model, token, cache, store)
+            if check is not None and not store.confirm(check):
+                logits = model(previous.reshape(1, 1), cache=cache)[0, -1]
+                token = mx.argmax(logits)
+                if step + 1 < max_tokens:
+                    queued = _queue_step(model, token, cache, store)
+            yield int(token), logits
+            if step + 1 < max_tokens:
+                previous, (logits, token, check) = token, queued
+    finally:
+        if store is not None:
+            store.drop_queued()
+
+
+def _queue_step(model, token: mx.array, cache, store) -> tuple:
+    """The logits after ``token`` and their greedy token, queued on the device, and the forward's queued check
+    (None where there is none)."""
+    if store is None:
+        logits, checks = model(token.reshape(1, 1), cache=cache)[0, -1], ()
+    else:
+        with store.queueing() as checks:
+            logits = model(token.reshape(1, 1), cache=cache)[0, -1]
+    next_token = mx.argmax(logits)
+    mx.async_eval(next_token)
+    return logits, next_token, (checks[0] if checks else None)
 
 
 def top2_margin(logits: mx.array) -> Tuple[int, int, float, float]:

@@ -177,7 +177,8 @@ def run_forward(store, signature: inspect.Signature, call: Callable, module: nn.
     decoder stack's; ``signature`` is ``call``'s). Only the outermost entry counts: a forward the store lets
     defer its miss check runs with no per-layer sync and is checked once, when its output is evaluated; if a
     routed expert turns out not to be resident, the caches are restored and the forward runs again, layer by
-    layer (same ids, same counters)."""
+    layer (same ids, same counters). Inside ``store.queueing()`` the check is left queued for the caller
+    (``generate.greedy_steps``), which confirms it after queueing the next step."""
     if store.in_forward:
         return call(module, *args, **kwargs)
     store.in_forward = True
@@ -190,7 +191,7 @@ def run_forward(store, signature: inspect.Signature, call: Callable, module: nn.
         if saved is None or not store.begin_forward(tokens):
             return call(module, *args, **kwargs)
         out = call(module, *args, **kwargs)
-        if store.end_forward(out):
+        if store.queue(out, lambda: restore_caches(cache, saved)) or store.end_forward(out):
             return out
         restore_caches(cache, saved)
         return call(module, *args, **kwargs)

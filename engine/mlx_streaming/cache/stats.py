@@ -26,6 +26,8 @@ FIELDS = {
                "hit counts (not waits, reads or placement)",
     "deferred_forwards": "forwards run with the miss check deferred to their end",
     "deferred_retries": "of those, forwards rerun layer by layer because a routed expert was not resident",
+    "dropped_forwards": "deferred forwards a decode loop queued one step ahead and dropped unchecked (after a "
+                        "retry of the step before, or when it stopped)",
     "prefetch_submitted": "prefetch requests queued",
     "prefetch_merged": "prefetch requests for an expert already queued, being read or staged",
     "prefetch_over_budget": "prefetch requests refused because staging would pass its limit",

@@ -9,7 +9,9 @@ else holds its buffer between steps.
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, Optional, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +29,17 @@ _MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": m
 def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
     arr = mx.array(buf.view(_NP_DTYPES[dtype]).reshape(shape))
     return arr.view(mx.bfloat16) if dtype == "BF16" else arr
+
+
+@dataclass
+class QueuedCheck:
+    """A deferred forward whose miss check waits for ``ExpertStore.confirm``: its routes by layer, their
+    concatenation (lazy), its output, and what restores the caches to before it."""
+
+    routes: List[tuple]
+    flat: mx.array
+    output: mx.array
+    restore: Callable[[], None]
 
 
 def _distinct(routed: np.ndarray) -> List[int]:
@@ -69,13 +82,19 @@ class ExpertStore:
         self.miss_check = miss_check
         #: Test-only planted slowdown: CPU seconds burnt at the start of every forward (``plant``).
         self.plant_s = plant_s
-        #: Per layer, expert id -> slot on the host (-1: not resident), kept with every placement and eviction.
-        self._slots = {layer: np.full(index.num_experts, -1, dtype=np.int32) for layer in index.layers}
+        #: Per layer, expert id -> slot on the host (-1: not resident), kept with every placement and eviction:
+        #: the rows of one table (``_row``: a layer's row), so that one lookup checks every layer's routes.
+        self._row = {layer: row for row, layer in enumerate(index.layers)}
+        self._slot_table = np.full((len(self._row), index.num_experts), -1, dtype=np.int32)
+        self._slots = {layer: self._slot_table[row] for layer, row in self._row.items()}
         #: The same on the device (non-resident experts point at slot 0), for deferred forwards; None when stale.
         self._tables: Dict[int, mx.array] = dict.fromkeys(index.layers)
         self.deferring = False
         self.in_forward = False  # a forward of the model is running (``adapters.switch_layers.run_forward``)
         self._deferred: List[tuple] = []
+        #: Deferred forwards not yet confirmed, oldest first (``queueing``), and where ``queue`` puts new ones.
+        self._queued: List[QueuedCheck] = []
+        self._queue_into: Optional[list] = None
         self._defer_wait = 0  # forwards to run layer by layer before deferring again
         self._defer_backoff = 1
         self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
@@ -181,34 +200,97 @@ class ExpertStore:
             self._tables[layer] = mx.array(np.maximum(self._slots[layer], 0))
         return self._tables[layer][indices]
 
+    def _close_forward(self) -> tuple:
+        """End the deferred forward: its routes by layer and their concatenation (lazy, nothing waited for)."""
+        routes, self._deferred, self.deferring = self._deferred, [], False
+        flat = mx.concatenate([indices.reshape(-1) for _, indices in routes]) if routes else mx.zeros((0,), mx.uint32)
+        return routes, flat
+
     def end_forward(self, output: mx.array) -> bool:
         """Evaluate the deferred forward's ``output`` and routes (one sync, one transfer of every layer's routes);
         when every routed expert was resident account them as the layer-by-layer path would and return True;
         else change nothing and return False (the caller restores its caches and runs the forward again, layer
         by layer)."""
-        routes, self._deferred, self.deferring = self._deferred, [], False
+        return self._check(*self._close_forward(), output)
+
+    def _check(self, routes: List[tuple], flat: mx.array, output: mx.array) -> bool:
         start = time.perf_counter()
-        flat = mx.concatenate([indices.reshape(-1) for _, indices in routes]) if routes else mx.zeros((0,), mx.uint32)
         mx.eval(output, flat)
         hosted = np.array(flat)
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
-        start = time.perf_counter()  # the miss check
-        bounds = np.cumsum([indices.size for _, indices in routes])[:-1]
-        calls = [(layer, routed.reshape(indices.shape), _distinct(routed))
-                 for (layer, indices), routed in zip(routes, np.split(hosted, bounds))]
-        resident = all(self._resident(layer, experts) for layer, _, experts in calls)
-        self.counters.route_s += time.perf_counter() - start
-        if resident:
-            self._defer_backoff = 1
-            for layer, routed, experts in calls:
-                self.acquire(layer, self.route(layer, routed, experts))
-                self.layer_done(layer)
-        else:
+        start = time.perf_counter()  # the miss check: one lookup of every route in the slot table
+        sizes = [indices.size for _, indices in routes]
+        rows = np.repeat([self._row[layer] for layer, _ in routes], sizes)
+        resident = bool((self._slot_table[rows, hosted] >= 0).all())
+        if not resident:
+            self.counters.route_s += time.perf_counter() - start
             self.counters.deferred_retries += 1
             if not self.identity_slots:
                 self._defer_wait, self._defer_backoff = self._defer_backoff, min(64, 2 * self._defer_backoff)
-        return resident
+            return False
+        self._defer_backoff = 1
+        calls = [(layer, routed.reshape(indices.shape))
+                 for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1]))]
+        if self._only_counts():
+            for _, routed in calls:
+                self.counters.hits += len(set(routed.ravel().tolist()))
+            self.counters.fastpath += len(calls)
+            self.counters.route_s += time.perf_counter() - start
+            return True
+        self.counters.route_s += time.perf_counter() - start
+        for layer, routed in calls:
+            self.acquire(layer, self.route(layer, routed))
+            self.layer_done(layer)
+        return True
+
+    def _only_counts(self) -> bool:
+        """Whether accounting a forward whose routed experts were all resident is only counting hits: a pool
+        with a slot for every expert never evicts, so recency is moot, and nothing records, predicts or stages."""
+        return (self.identity_slots and not self.record and self.route_log is None and self.predictor is None
+                and self.prefetcher is None)
+
+    # ------------------------------------------------------------ checks queued by a decode loop one step ahead
+
+    @contextmanager
+    def queueing(self):
+        """Forwards run inside leave their deferred check queued, to be ``confirm``-ed by the caller after it
+        has queued the next step on the device; yields the list that receives each one's ``QueuedCheck``."""
+        checks: List[QueuedCheck] = []
+        self._queue_into = checks
+        try:
+            yield checks
+        finally:
+            self._queue_into = None
+
+    def queue(self, output: mx.array, restore: Callable[[], None]) -> bool:
+        """Close the deferred forward that gave ``output`` without waiting, when ``queueing``; False otherwise."""
+        if self._queue_into is None:
+            return False
+        check = QueuedCheck(*self._close_forward(), output, restore)
+        self._queued.append(check)
+        self._queue_into.append(check)
+        return True
+
+    def confirm(self, check: QueuedCheck) -> bool:
+        """Check the oldest queued forward, as ``end_forward`` would. On a miss, wait for every queued forward
+        (none may still read the pool when a slot is written), restore the caches to before ``check``, drop them
+        all, and return False: the caller runs that step again, and its rerun goes layer by layer."""
+        assert self._queued and self._queued[0] is check, "queued checks are confirmed oldest first"
+        self._queued.pop(0)
+        if self._check(check.routes, check.flat, check.output):
+            return True
+        self.drop_queued()
+        check.restore()
+        self._defer_wait = max(self._defer_wait, 1)
+        return False
+
+    def drop_queued(self) -> None:
+        """Wait for the queued forwards and forget them unchecked (a decode loop that stops one step ahead)."""
+        if self._queued:
+            mx.eval([check.output for check in self._queued])
+            self.counters.dropped_forwards += len(self._queued)
+            self._queued = []
 
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
         """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""

@@ -37,16 +37,17 @@ def _say(text: str) -> None:
 
 def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int,
                  on_decode: Optional[Callable[[], None]] = None) -> tuple:
-    """(decode tok/s, ids): the clock starts once the prompt's prefill gave the first token, where
-    ``on_decode()`` is called."""
-    ids, start = [], None
-    for token, _ in greedy_steps(model, prompt_ids, max_tokens, prefill_chunk):
-        ids.append(token)
-        if start is None:
-            if on_decode is not None:
-                on_decode()
-            start = time.perf_counter()
-    return (max_tokens - 1) / (time.perf_counter() - start), ids
+    """(decode tok/s, ids): the clock starts once the prompt is prefilled (its logits give the first token),
+    where ``on_decode()`` is called."""
+    start = []
+
+    def prefilled():
+        if on_decode is not None:
+            on_decode()
+        start.append(time.perf_counter())
+
+    ids = [token for token, _ in greedy_steps(model, prompt_ids, max_tokens, prefill_chunk, prefilled)]
+    return (max_tokens - 1) / (time.perf_counter() - start[0]), ids
 
 
 def _spread(rates: List[float]) -> dict:
@@ -343,17 +344,17 @@ K_REPORT = (1, 2, 3, 4, "auto")
 def _interleaved(label: str, arms: dict, config: StreamingConfig) -> tuple:
     """Warm every arm up (``arms``: name -> ``once(n)``, which decodes ``n`` tokens and returns (tok/s, ids,
     extra)), then ``config.repeat`` rounds running each arm once, interleaved, so a drifting machine moves them
-    alike: (tok/s per arm per round, each arm's last (ids, extra))."""
+    alike: (tok/s per arm per round, each arm's (ids, extra) per round)."""
     for once in arms.values():
         once(max(2, config.warmup_tokens))
-    rates, last = {name: [] for name in arms}, {}
+    rates, runs = {name: [] for name in arms}, {name: [] for name in arms}
     for i in range(config.repeat):
         _say(f"{label}: round {i + 1}/{config.repeat}")
         for name, once in arms.items():
             rate, ids, extra = once(config.max_tokens)
             rates[name].append(rate)
-            last[name] = (ids, extra)
-    return rates, last
+            runs[name].append((ids, extra))
+    return rates, runs
 
 
 def _versus_best(rates: dict, auto) -> dict:
@@ -380,12 +381,12 @@ def k_report(model_dir: Path, config: StreamingConfig) -> dict:
                 return stats["decode_tok_s"], ids, stats["k_hist"]
             return once
 
-        rates, last = _interleaved("K report", {k: arm(k) for k in K_REPORT}, config)
-        chosen = last["auto"][1]
+        rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, config)
+        chosen = runs["auto"][-1][1]
         return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": config.max_tokens,
                 "repeat": config.repeat, **_versus_best(rates, "auto"),
                 "auto_k_steps": {str(k): chosen.count(k) for k in sorted(set(chosen))},
-                "ids_equal_greedy": all(ids == greedy for ids, _ in last.values())}
+                "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
 
 
 def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
@@ -406,13 +407,13 @@ def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
             return once
 
         names = {False: "off", True: "on", "auto": "auto"}
-        rates, last = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, config)
+        rates, runs = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, config)
         switch = models["auto"].store.prefetch_switch
         return {"model": str(model_dir), "pool_slots": models[False].store.capacity, "io_mode": config.io_mode,
                 "max_tokens": config.max_tokens, "repeat": config.repeat, **_versus_best(rates, "auto"),
                 "auto_decisions": ["on" if d else "off" for d in switch.decisions],
                 "auto_measured_s_per_token": {("on" if a else "off"): v for a, v in switch.measured.items()},
-                "ids_identical": len({tuple(ids) for ids, _ in last.values()}) == 1}
+                "ids_identical": len({tuple(ids) for arm_runs in runs.values() for ids, _ in arm_runs}) == 1}
 
 
 def auto_table(report: dict, what: str) -> str:
@@ -506,34 +507,39 @@ def prefetch_table(report: dict) -> str:
 def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
     """The engine's own cost per token: mlx-lm's in-memory greedy against streaming greedy (and MTP
     speculation where the model has a head) at the configured pool, with the miss check per MoE layer and
-    per token. Per row: decode tok/s (median), ms per token, the process's CPU ms per decoded token (median)
-    and, from the last timed run, the engine's host syncs and the store's timed parts per decoded token; the
-    ids of every row against in-memory. Every per-token figure counts from the end of the prompt's prefill."""
+    per token, every path built first and run in interleaved rounds (``_interleaved``), so a drifting machine
+    moves them alike. Per row: decode tok/s (median), ms per token, the process's CPU ms per decoded token
+    (median) and, from the last round, the engine's host syncs and the store's timed parts per decoded token;
+    every round's ids against in-memory's. Every per-token figure counts from the end of the prompt's prefill."""
+    from contextlib import ExitStack
+
     import mlx_lm
 
     from ..model import build_streaming_model
 
     model, tokenizer = mlx_lm.load(str(model_dir))
     prompt_ids = tokenizer.encode(config.prompt)
-    rates, cpu, ids, _ = _decode_costs("mlx-lm in-memory greedy", _greedy_path(model, prompt_ids, config), None, config)
-    inmemory_ids = ids
-    rows = [{"path": "mlx-lm in-memory greedy", "miss_check": None, "tok_s": _spread(rates), "cpu_ms_per_token": cpu,
-             "ids_match": True}]
-    del model
-    mx.clear_cache()
     has_mtp = (Path(model_dir) / "mtp.safetensors").exists() or config.mtp_path
-    for miss_check in ("layer", "token"):
-        with build_streaming_model(model_dir, config.replace(miss_check=miss_check, mtp=bool(has_mtp))) as sm:
-            def speculative(n, on_decode):
-                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, config.k,
-                                          config.verify_mode, config.prefill_chunk, on_decode)
-                return stats["decode_tok_s"], ids
-
-            paths = [("streaming greedy", _greedy_path(sm.model, prompt_ids, config))]
-            paths += [(f"streaming MTP K={config.k}", speculative)] if has_mtp else []
-            for path, once in paths:
-                rates, cpu, ids, decode = _decode_costs(f"{path}, miss check per {miss_check}", once, sm.store, config)
-                rows.append(_overhead_row(path, miss_check, rates, cpu, decode, len(ids) - 1, ids == inmemory_ids, sm))
+    with ExitStack() as stack:
+        arms = {("mlx-lm in-memory greedy", None): _costed(_greedy_path(model, prompt_ids, config), None)}
+        slots = {}
+        for miss_check in ("layer", "token"):
+            sm = stack.enter_context(build_streaming_model(model_dir, config.replace(miss_check=miss_check,
+                                                                                     mtp=bool(has_mtp))))
+            slots[miss_check] = sm.store.capacity
+            arms[("streaming greedy", miss_check)] = _costed(_greedy_path(sm.model, prompt_ids, config), sm.store)
+            if has_mtp:
+                arms[(f"streaming MTP K={config.k}", miss_check)] = _costed(_speculative_path(sm, prompt_ids, config),
+                                                                            sm.store)
+        rates, runs = _interleaved("overhead", arms, config)
+    inmemory_ids = runs[("mlx-lm in-memory greedy", None)][-1][0]
+    rows = []
+    for (path, miss_check), arm_runs in runs.items():
+        cpu = statistics.median(cpu for _, (cpu, _) in arm_runs)
+        ids, (_, stats) = arm_runs[-1]
+        ids_match = all(ids == inmemory_ids for ids, _ in arm_runs)
+        rows.append(_overhead_row(path, miss_check, rates[(path, miss_check)], cpu, stats, len(ids) - 1, ids_match,
+                                  slots.get(miss_check)))
     return {"model": str(model_dir), "device": str(mx.default_device()), "io_mode": config.io_mode,
             "max_tokens": config.max_tokens, "warmup": config.warmup_tokens, "repeat": config.repeat, "rows": rows}
 
@@ -542,37 +548,45 @@ def _greedy_path(model, prompt_ids, config: StreamingConfig) -> Callable:
     return lambda n, on_decode: timed_greedy(model, prompt_ids, n, config.prefill_chunk, on_decode)
 
 
-def _decode_costs(label: str, once: Callable, store, config: StreamingConfig) -> tuple:
-    """Warm ``once`` up (``once(n, on_decode)`` decodes ``n`` tokens and calls ``on_decode()`` once the prompt is
-    prefilled; it returns (tok/s, ids)), then ``config.repeat`` runs of ``config.max_tokens``: (tok/s per run,
-    median CPU ms per decoded token, the last run's ids, the store's counters of the last run's decode; {}
-    without a store). CPU time and counters start at ``on_decode``."""
-    once(max(2, config.warmup_tokens), None)
-    rates, cpus, started = [], [], []
-
-    def on_decode():
-        if store is not None:
-            store.reset_stats()
-        started.append(time.process_time())
-
-    for i in range(config.repeat):
-        _say(f"{label}: run {i + 1}/{config.repeat}")
-        rate, ids = once(config.max_tokens, on_decode)
-        cpus.append(1000 * (time.process_time() - started[-1]) / (len(ids) - 1))
-        rates.append(rate)
-    return rates, statistics.median(cpus), ids, store.stats() if store is not None else {}
+def _speculative_path(sm, prompt_ids, config: StreamingConfig) -> Callable:
+    def once(n, on_decode):
+        ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, config.k,
+                                  config.verify_mode, config.prefill_chunk, on_decode)
+        return stats["decode_tok_s"], ids
+    return once
 
 
-def _overhead_row(path: str, miss_check: str, rates, cpu_ms: float, stats: dict, tokens: int, ids_match: bool,
-                  sm) -> dict:
+def _costed(once: Callable, store) -> Callable:
+    """``once(n, on_decode)`` (decodes ``n`` tokens, calls ``on_decode()`` once the prompt is prefilled, returns
+    (tok/s, ids)) as an ``_interleaved`` arm whose extra is (CPU ms per decoded token, the store's counters of
+    the decode; {} without a store). CPU time and counters start at ``on_decode``."""
+    def arm(n):
+        started = []
+
+        def on_decode():
+            if store is not None:
+                store.reset_stats()
+            started.append(time.process_time())
+
+        rate, ids = once(n, on_decode)
+        cpu_ms = 1000 * (time.process_time() - started[-1]) / (len(ids) - 1)
+        return rate, ids, (cpu_ms, store.stats() if store is not None else {})
+    return arm
+
+
+def _overhead_row(path: str, miss_check: Optional[str], rates, cpu_ms: float, stats: dict, tokens: int,
+                  ids_match: bool, pool_slots: Optional[int]) -> dict:
+    row = {"path": path, "miss_check": miss_check, "tok_s": _spread(rates), "cpu_ms_per_token": cpu_ms,
+           "ids_match": ids_match}
+    if not stats:  # in-memory: no store
+        return row
     ms = 1000 / statistics.median(rates)
     parts = {part: 1000 * stats[f"{part}_s"] / tokens for part in OVERHEAD_PARTS}
-    return {"path": path, "miss_check": miss_check, "pool_slots": sm.store.capacity, "tok_s": _spread(rates),
-            "cpu_ms_per_token": cpu_ms, "host_syncs_per_token": stats["host_syncs"] / tokens, "ms_per_token": ms,
+    return {**row, "pool_slots": pool_slots, "host_syncs_per_token": stats["host_syncs"] / tokens, "ms_per_token": ms,
             **{f"{part}_ms_per_token": value for part, value in parts.items()},
             "other_ms_per_token": ms - sum(parts.values()),
             "deferred_forwards": stats["deferred_forwards"], "deferred_retries": stats["deferred_retries"],
-            "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]), "ids_match": ids_match}
+            "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"])}
 
 
 #: The store's timed parts of a step, reported per token by ``bench --overhead`` (``cache.stats.FIELDS``).
