@@ -9,7 +9,8 @@ Corpus: the ``*.py`` files of the running Python's site-packages, split by file 
 to ``crc32 % 100 < 2`` is held out). Tokenizer: byte-level BPE trained on the training split. Model: the
 Qwen3-Next layout scaled down (see ``model_config``: 128 routed experts, top-4, a shared expert), trained
 from scratch for ``--epochs`` passes over the training split with the main next-token loss plus
-``--mtp-weight`` x the MTP head's loss on token t+2, and the router's load-balancing loss. Transformers'
+``--mtp-weight`` x the MTP head's loss on tokens t+2 .. t+1+``--mtp-unroll`` (the head run on its own output, as
+it drafts), and the router's load-balancing loss. Transformers'
 Gated-DeltaNet runs on flash-linear-attention's kernels where that package is importable.
 
 Writes ``OUT/model.tar.xz.NN`` (parts of one xz tar; ``cat OUT/model.tar.xz.* | tar -xJ -C OUT``) holding:
@@ -149,16 +150,24 @@ def positions(model, x, length):
     return model.model.rotary_emb(x, pos)
 
 
-def forward_losses(model, mtp, ids, aux_weight):
-    """Main next-token loss, MTP t+2 loss, router balance loss; and the final hidden states."""
+def forward_losses(model, mtp, ids, aux_weight, unroll):
+    """Main next-token loss, the MTP head's loss (summed over ``unroll`` passes), router balance loss.
+
+    Pass j of the head is what drafts token t+j+1 at inference: pass 1 takes ``(embed(t+1), hidden_t)``,
+    pass j takes ``(embed(t+j), output of pass j-1)``, as the drafter feeds its own output back. Training
+    only pass 1 leaves the later drafts to a head that never saw its own outputs as input."""
     out = model.model(input_ids=ids, use_cache=False, output_router_logits=True)
     hidden = out.last_hidden_state
     logits = model.lm_head(hidden[:, :-1])
     main = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    emb = model.model.embed_tokens(ids[:, 1:-1])
-    m = mtp(emb, hidden[:, :-2], positions(model, emb, emb.shape[1]))
-    mtp_logits = model.lm_head(m)
-    mtp_loss = F.cross_entropy(mtp_logits.float().reshape(-1, mtp_logits.shape[-1]), ids[:, 2:].reshape(-1))
+    n, h, mtp_losses = ids.shape[1], hidden, []
+    for j in range(1, unroll + 1):
+        emb = model.model.embed_tokens(ids[:, j:n - 1])
+        h = mtp(emb, h[:, : n - 1 - j], positions(model, emb, emb.shape[1]))
+        mtp_logits = model.lm_head(h)
+        mtp_losses.append(F.cross_entropy(mtp_logits.float().reshape(-1, mtp_logits.shape[-1]),
+                                          ids[:, j + 1:].reshape(-1)))
+    mtp_loss = torch.stack(mtp_losses).sum()
     # Balanced per layer, not only over all layers together: a global balance leaves dead experts in a layer.
     config = model.config
     aux = torch.stack([load_balancing_loss_func((logits,), config.num_experts, config.num_experts_per_tok)
@@ -339,11 +348,13 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--epochs", type=float, default=1.25, help="passes over the training split")
+    p.add_argument("--epochs", type=float, default=1.15, help="passes over the training split")
     p.add_argument("--steps", type=int, default=0, help="fixed step count (overrides --epochs)")
     p.add_argument("--measure-steps", type=int, default=0,
                    help="time this many steps, print the speed and the time --epochs would take, and stop")
     p.add_argument("--mtp-weight", type=float, default=0.5)
+    p.add_argument("--mtp-unroll", type=int, default=2,
+                   help="passes of the MTP head trained, each feeding its output to the next (drafts t+2, t+3, ...)")
     p.add_argument("--aux-weight", type=float, default=0.01)
     p.add_argument("--heldout-seqs", type=int, default=64)
     p.add_argument("--accept-prompts", type=int, default=16)
@@ -419,7 +430,7 @@ def main(argv=None):
             group["lr"] = lr
         ids = next(data).to(DEVICE)
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            main_loss, mtp_loss, aux = forward_losses(model, mtp, ids, args.aux_weight)
+            main_loss, mtp_loss, aux = forward_losses(model, mtp, ids, args.aux_weight, args.mtp_unroll)
             loss = main_loss + args.mtp_weight * mtp_loss + args.aux_weight * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
