@@ -24,16 +24,17 @@ def _run(model_dir, prompt, miss_check, warm=0, **config):
 
 @pytest.mark.parametrize("pool", [None, 12, 4], ids=["full", "25%", "minimum"])
 def test_same_ids_and_counters_as_the_per_layer_check(model_dir, reference_model, prompt_ids, pool):
-    prompt = prompt_ids[2]
+    prompt = prompt_ids[1]
     layer_ids, layer_stats = _run(model_dir, prompt, "layer", pool_slots=pool)
     token_ids, token_stats = _run(model_dir, prompt, "token", pool_slots=pool)
     assert token_ids == layer_ids == greedy_generate(reference_model, prompt, TOKENS)
     assert {k: token_stats[k] for k in COUNTED} == {k: layer_stats[k] for k in COUNTED}
     assert token_stats["deferred_forwards"] > 0 and layer_stats["deferred_forwards"] == 0
-    if pool == 4:
-        assert token_stats["deferred_retries"] > 0  # it tried, found a miss, reran layer by layer
-        # greedy_steps runs one step ahead: the step it had queued behind a miss was dropped, unchecked
-        assert 0 < token_stats["dropped_forwards"] <= token_stats["deferred_retries"]
+    assert token_stats["deferred_retries"] > 0  # it tried, found a miss, reran layer by layer
+    # greedy_steps runs one step ahead: the step queued behind a miss is dropped, unchecked
+    assert token_stats["dropped_forwards"] <= token_stats["deferred_retries"]
+    if pool != 4:  # (at the minimum pool the forwards after the prefill's miss keep missing: none defers)
+        assert token_stats["dropped_forwards"] > 0
 
 
 def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):

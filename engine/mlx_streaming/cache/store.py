@@ -95,8 +95,8 @@ class ExpertStore:
         #: Deferred forwards not yet confirmed, oldest first (``queueing``), and where ``queue`` puts new ones.
         self._queued: List[QueuedCheck] = []
         self._queue_into: Optional[list] = None
-        self._defer_wait = 0  # forwards to run layer by layer before deferring again
-        self._defer_backoff = 1
+        #: Whether the forward running (``_missed``) and the one before it found a routed expert not resident.
+        self._missed = self._previous_missed = False
         self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
         self.reset_stats()
 
@@ -152,6 +152,7 @@ class ExpertStore:
             self.counters.fastpath += 1
         else:
             self.counters.fallback += 1
+            self._missed |= self.in_forward
         self.counters.route_s += time.perf_counter() - start
         return experts
 
@@ -164,6 +165,7 @@ class ExpertStore:
     def forward_starts(self, tokens: int) -> None:
         """A forward of the model on ``tokens`` tokens starts: the prefetch switch decides whether it prefetches,
         and the planted slowdown, if any, burns."""
+        self._previous_missed, self._missed = self._missed, False
         if self.prefetch_switch is not None:
             self.prefetching = self.prefetch_switch.forward(tokens)
             self.counters.prefetch_off_forwards += not self.prefetching
@@ -178,13 +180,11 @@ class ExpertStore:
 
     def begin_forward(self, tokens: int) -> bool:
         """Whether the forward about to run on ``tokens`` tokens defers its miss check: ``miss_check`` is
-        "token", the call is short, and the last deferred forwards found their experts (after a retry the
-        store waits 1, 2, 4 ... forwards, up to 64, before deferring again; not with identity slots, where a
-        miss is an expert's first load and cannot recur, so the next forward defers again)."""
-        if self.miss_check != "token" or tokens > 16 or self.deferring:
-            return False
-        if self._defer_wait:
-            self._defer_wait -= 1
+        "token", the call is short, and the forward before it found every routed expert resident. After a miss
+        the forwards run layer by layer (no forward is wasted on a check that fails) until one finds all its
+        experts resident; the next defers again. A cold pool, where most tokens miss, so stays on the per-layer
+        path, and a warm one goes back to deferring one forward after a rare miss."""
+        if self.miss_check != "token" or tokens > 16 or self.deferring or self._previous_missed:
             return False
         self.deferring, self._deferred = True, []
         self.counters.deferred_forwards += 1
@@ -226,10 +226,8 @@ class ExpertStore:
         if not resident:
             self.counters.route_s += time.perf_counter() - start
             self.counters.deferred_retries += 1
-            if not self.identity_slots:
-                self._defer_wait, self._defer_backoff = self._defer_backoff, min(64, 2 * self._defer_backoff)
+            self._missed = True
             return False
-        self._defer_backoff = 1
         calls = [(layer, routed.reshape(indices.shape))
                  for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1]))]
         if self._only_counts():
@@ -282,7 +280,6 @@ class ExpertStore:
             return True
         self.drop_queued()
         check.restore()
-        self._defer_wait = max(self._defer_wait, 1)
         return False
 
     def drop_queued(self) -> None:
