@@ -55,7 +55,8 @@ class LRUSlots:
             slot = self._slot_of.pop(evicted)
             del self._recency[evicted]
         self._slot_of[expert] = slot
-        self._recency[expert] = None
+        if not self.identity:  # nothing is evicted there: recency is never read, so ``touch`` keeps none
+            self._recency[expert] = None
         return slot, evicted
 
     def pin(self, expert: int) -> None:

@@ -228,25 +228,11 @@ class ExpertStore:
             self.counters.deferred_retries += 1
             self._missed = True
             return False
-        calls = [(layer, routed.reshape(indices.shape))
-                 for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1]))]
-        if self._only_counts():
-            for _, routed in calls:
-                self.counters.hits += len(set(routed.ravel().tolist()))
-            self.counters.fastpath += len(calls)
-            self.counters.route_s += time.perf_counter() - start
-            return True
         self.counters.route_s += time.perf_counter() - start
-        for layer, routed in calls:
-            self.acquire(layer, self.route(layer, routed))
+        for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1])):
+            self.acquire(layer, self.route(layer, routed.reshape(indices.shape)))
             self.layer_done(layer)
         return True
-
-    def _only_counts(self) -> bool:
-        """Whether accounting a forward whose routed experts were all resident is only counting hits: a pool
-        with a slot for every expert never evicts, so recency is moot, and nothing records, predicts or stages."""
-        return (self.identity_slots and not self.record and self.route_log is None and self.predictor is None
-                and self.prefetcher is None)
 
     # ------------------------------------------------------------ checks queued by a decode loop one step ahead
 
