@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .config import StreamingConfig, format_size, parse_size
-from .errors import StreamingError
+from .errors import ConfigError, StreamingError
 
 DESCRIPTION = """Run Mixture-of-Experts models larger than memory on MLX: dense weights resident, experts
 streamed from disk into a bounded pool, output equal to mlx-lm's in-memory model token for token.
@@ -111,6 +111,21 @@ def _model_dir(args) -> Path:
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def _recorded_pools(path: str) -> dict:
+    """The pools a ``bench --gate-power --json FILE`` run recorded."""
+    try:
+        recorded = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"--gate-power-replay {path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ConfigError(f"--gate-power-replay {path}: not valid JSON ({exc})") from None
+    missing = [key for key in ("baseline", "pools", "pool_rounds", "tokens", "unit", "cost_per_token")
+               if not isinstance(recorded, dict) or key not in recorded]
+    if missing:
+        raise ConfigError(f"--gate-power-replay {path}: not a `bench --gate-power --json` file (no {', '.join(missing)})")
+    return recorded
 
 
 def _write_json(path: str, result) -> None:
@@ -253,6 +268,11 @@ def cmd_bench(args) -> None:
 
         result = gate_power.study(_model_dir(args), _config(args))
         print(gate_power.table(result))
+    elif args.gate_power_replay:
+        from .harness import gate_power
+
+        result = gate_power.replay(_recorded_pools(args.gate_power_replay))
+        print(gate_power.table(result))
     elif args.k_report:
         result = bench.k_report(_model_dir(args), _config(args))
         print(bench.auto_table(result, "K"))
@@ -379,7 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "and per token (host syncs, wait), greedy and MTP")
     modes.add_argument("--gate-power", action="store_true",
                        help="how often the perf gate catches planted 5/10/20%% slowdowns and fails an unchanged "
-                            "tree, quiet and beside two busy loops (about 10 minutes here)")
+                            "tree, quiet and beside two busy loops (about 25 minutes here; --json FILE keeps the "
+                            "recorded rounds)")
+    modes.add_argument("--gate-power-replay", metavar="FILE",
+                       help="the power study's simulated gate runs again, under the current rule, on the rounds a "
+                            "--gate-power --json FILE run recorded (nothing measured)")
     modes.add_argument("--processes", type=int, metavar="N",
                        help="noise floor: run the default benchmark in N fresh processes, report the spread")
     p.set_defaults(func=cmd_bench)
@@ -477,7 +501,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         args.argv = argv[argv.index(args.command) + 1:]
         args.flags = _flags(parser, args.command)
-        if args.command in BUILDS and not getattr(args, "processes", None):
+        if args.command in BUILDS and not (getattr(args, "processes", None) or getattr(args, "gate_power_replay", None)):
             _say(_with_flags(_plan_of(args).describe(), args.flags))
         args.func(args)
     except StreamingError as exc:

@@ -1,13 +1,17 @@
 """The perf gate's power study: how often it catches planted slowdowns, and how often it fails an unchanged
 tree, quiet and with two busy-loop processes beside it (``mlx-streaming bench --gate-power``).
 
-One scenario (greedy at a 25% pool, O_DIRECT: the engine's typical work) is measured in rounds as the perf
-suite measures it (cost per token in the gate's unit). Pools of rounds are recorded: a baseline pool on the
-quiet machine, then for each condition (quiet, busy) an unchanged pool and one pool per planted slowdown
-(``plant_s`` = fraction x the measured cost per token, burnt at the start of every forward). Gate runs are
-then simulated by drawing ``rounds`` rounds without replacement from the baseline pool and from the current
-pool and applying ``perf_gate.slowdown_verdict``; the rate of failing verdicts is the catch rate (or, for the
-unchanged pool, the false-alarm rate).
+Two of the perf suite's scenarios, greedy at the full pool and greedy at a 25% pool with O_DIRECT, are
+measured as the suite measures them: rounds of ``tokens`` tokens, each scenario round just after its own
+yardstick round (greedy on mlx-lm's in-memory model), cost per token in the gate's unit. Pools of ``pool_rounds``
+round pairs are recorded per scenario: a baseline pool on the quiet machine, then for each condition (quiet,
+busy) an unchanged pool and one pool per planted slowdown (``fraction`` x the scenario's baseline cost per
+token, burnt at the start of every forward: one forward per greedy token). Gate runs are then simulated: each
+draws ``rounds`` pairs with replacement from the baseline pool and from the condition's pool, per scenario, and
+applies ``perf_gate.slowdown_verdict`` at the scenario's threshold in the perf suite (``THRESHOLDS``); a run
+fails when either scenario fails. The failing share is the catch rate (for an unchanged pool, the false-alarm
+rate). ``replay`` simulates recorded pools again (``bench --gate-power --json FILE`` keeps them) under the
+current rule, without measuring anew.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -25,79 +29,125 @@ from ..config import StreamingConfig
 from ..generate import greedy_generate
 
 FRACTIONS = (0.05, 0.10, 0.20)
+SCENARIOS = ("full pool", "25% pool, O_DIRECT")
+#: Each scenario's threshold, as the perf suite judges its twin (``perf/test_perf.py``).
+THRESHOLDS = dict(zip(SCENARIOS, (perf_gate.DEFAULT_THRESHOLD, perf_gate.DISK_THRESHOLD)))
 
 
 def _say(text: str) -> None:
     print(f"[gate-power] {text}", file=sys.stderr, flush=True)
 
 
-def _pool(sm, prompt, tokens: int, n: int, plant_s: float, unit: str) -> List[float]:
-    sm.store.plant_s = plant_s
-    costs = []
-    for _ in range(n):
-        c0, w0 = time.process_time(), time.perf_counter()
-        greedy_generate(sm.model, prompt, tokens)
-        costs.append(((time.process_time() - c0) if unit.startswith("cpu") else (time.perf_counter() - w0)) / tokens)
-    sm.store.plant_s = 0.0
-    return costs
-
-
 def _busy_neighbours(n: int) -> list:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def simulate(baseline: List[float], current: List[float], rounds: int, runs: int, threshold: float, seed: int = 0) -> float:
-    """The share of ``runs`` simulated gate runs (``rounds`` drawn from each pool) that fail."""
+def _record(models: Dict, reference, prompt, tokens: int, n: int, plants: Dict[str, float], unit: str) -> Dict:
+    """``n`` round pairs (scenario cost, its yardstick's cost) per scenario, ``plants[scenario]`` CPU seconds
+    burnt per forward of that scenario's model."""
+
+    def cost(model) -> float:
+        c0, w0 = time.process_time(), time.perf_counter()
+        greedy_generate(model, prompt, tokens)
+        return ((time.process_time() - c0) if unit.startswith("cpu") else (time.perf_counter() - w0)) / tokens
+
+    pairs = {scenario: ([], []) for scenario in models}
+    for scenario, sm in models.items():
+        sm.store.plant_s = plants.get(scenario, 0.0)
+    for _ in range(n):
+        for scenario, sm in models.items():
+            pairs[scenario][1].append(cost(reference))
+            pairs[scenario][0].append(cost(sm.model))
+    for sm in models.values():
+        sm.store.plant_s = 0.0
+    return pairs
+
+
+def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: int, runs: int,
+             thresholds: Dict[str, float], seed: int = 0) -> Tuple[float, Dict[str, float]]:
+    """The share of ``runs`` simulated gate runs that fail (any scenario failing), and each scenario's own
+    failing share. Each run draws ``rounds`` round pairs with replacement from each pool."""
     rng = np.random.default_rng(seed)
-    fails = 0
+    fails, by_scenario = 0, dict.fromkeys(baseline, 0)
     for _ in range(runs):
-        b = rng.choice(baseline, size=min(rounds, len(baseline)), replace=False)
-        c = rng.choice(current, size=min(rounds, len(current)), replace=False)
-        fails += perf_gate.slowdown_verdict(b, c, threshold)["fail"]
-    return fails / runs
+        failed = False
+        for scenario in baseline:
+            drawn = []
+            for costs, yard in (baseline[scenario], current[scenario]):
+                picks = rng.integers(0, len(costs), rounds)
+                drawn.append((np.asarray(costs)[picks], np.asarray(yard)[picks]))
+            verdict = perf_gate.slowdown_verdict(*drawn, thresholds[scenario])["fail"]
+            by_scenario[scenario] += verdict
+            failed |= verdict
+        fails += failed
+    return fails / runs, {scenario: count / runs for scenario, count in by_scenario.items()}
 
 
-def study(model_dir: Path, config: StreamingConfig, pool_rounds: int = 30, rounds: int = 15, tokens: int = 12,
-          runs: int = 400, threshold: float = perf_gate.DEFAULT_THRESHOLD) -> Dict:
+def study(model_dir: Path, config: StreamingConfig, pool_rounds: int = 20, rounds: int = 20, tokens: int = 12,
+          runs: int = 300) -> Dict:
+    import mlx_lm
+
     from ..model import build_streaming_model
 
     unit = perf_gate.cost_unit()
-    with build_streaming_model(model_dir, config.with_pool(pool_fraction=0.25).replace(io_mode="direct")) as sm:
-        prompt = sm.tokenizer.encode(config.prompt)
-        greedy_generate(sm.model, prompt, tokens)  # warm-up
-        _say(f"baseline pool: {pool_rounds} rounds, quiet")
-        baseline = _pool(sm, prompt, tokens, pool_rounds, 0.0, unit)
-        cost = float(np.median(baseline))
+    reference, _ = mlx_lm.load(str(model_dir))
+    configs = dict(zip(SCENARIOS, (config.with_pool(), config.with_pool(pool_fraction=0.25).replace(io_mode="direct"))))
+    models = {scenario: build_streaming_model(model_dir, c) for scenario, c in configs.items()}
+    try:
+        prompt = next(iter(models.values())).tokenizer.encode(config.prompt)
+        for model in [reference] + [sm.model for sm in models.values()]:
+            greedy_generate(model, prompt, tokens)  # warm-up
+        _say(f"baseline pools: {pool_rounds} round pairs per scenario, quiet")
+        baseline = _record(models, reference, prompt, tokens, pool_rounds, {}, unit)
+        cost = {s: float(np.percentile(c, perf_gate.QUANTILE)) for s, (c, _) in baseline.items()}
         pools = {}
         for condition in ("quiet", "busy"):
             neighbours = _busy_neighbours(2) if condition == "busy" else []
             try:
                 for fraction in (0.0,) + FRACTIONS:
-                    _say(f"{condition}, planted +{fraction:.0%}: {pool_rounds} rounds")
-                    # per token: one forward per generated token, so burn fraction x cost at every forward
-                    pools[(condition, fraction)] = _pool(sm, prompt, tokens, pool_rounds, fraction * cost, unit)
+                    _say(f"{condition}, planted +{fraction:.0%}: {pool_rounds} round pairs per scenario")
+                    plants = {s: fraction * c for s, c in cost.items()}
+                    pools[f"{condition} +{fraction:.0%}"] = _record(models, reference, prompt, tokens, pool_rounds,
+                                                                    plants, unit)
             finally:
                 for p in neighbours:
                     p.kill()
+    finally:
+        for sm in models.values():
+            sm.close()
+    recorded = {"unit": unit, "cost_per_token": cost, "pool_rounds": pool_rounds, "tokens": tokens,
+                "baseline": baseline, "pools": pools}
+    return replay(recorded, rounds, runs)
+
+
+def replay(recorded: Dict, rounds: int = 20, runs: int = 300) -> Dict:
+    """Simulated gate runs on recorded pools (a ``study``'s report, or its JSON) under the current rule."""
     rows = []
-    for (condition, fraction), current in pools.items():
-        rate = simulate(baseline, current, rounds, runs, threshold)
-        cv = float(np.std(current) / np.mean(current))
-        rows.append({"condition": condition, "planted": fraction, "fail_rate": rate, "median_ratio":
-                     float(np.median(current) / cost), "cv": cv})
-    return {"unit": unit, "cost_per_token": cost, "baseline_cv": float(np.std(baseline) / np.mean(baseline)),
-            "pool_rounds": pool_rounds, "rounds": rounds, "tokens": tokens, "runs": runs, "threshold": threshold,
-            "rows": rows, "pools": {f"{c} +{f:.0%}": v for (c, f), v in pools.items()}, "baseline": baseline}
+    baseline = recorded["baseline"]
+    for name, current in recorded["pools"].items():
+        condition, planted = name.split(" +")
+        rate, by_scenario = simulate(baseline, current, rounds, runs, THRESHOLDS)
+        measured = {s: float(perf_gate.relative_cost(*current[s]) / perf_gate.relative_cost(*baseline[s]))
+                    for s in SCENARIOS}
+        rows.append({"condition": condition, "planted": float(planted.rstrip("%")) / 100, "fail_rate": rate,
+                     "by_scenario": by_scenario, "measured_ratio": measured})
+    keep = ("unit", "cost_per_token", "pool_rounds", "tokens", "baseline", "pools")
+    return {**{key: recorded[key] for key in keep}, "rounds": rounds, "runs": runs, "thresholds": THRESHOLDS,
+            "quantile": perf_gate.QUANTILE, "rows": rows}
 
 
 def table(report: Dict) -> str:
     from tabulate import tabulate
 
-    body = [[r["condition"], f"+{r['planted']:.0%}", r["median_ratio"], r["cv"],
-             f"{r['fail_rate']:.1%}" + ("" if r["planted"] else " (false alarms)")] for r in report["rows"]]
-    return (tabulate(body, headers=["condition", "planted slowdown", "measured ratio", "round CV", "gate fails"],
-                     floatfmt=".3f")
-            + f"\nunit {report['unit']}: {report['cost_per_token'] * 1000:.1f} ms per token quiet (CV "
-              f"{report['baseline_cv']:.3f}); {report['runs']} simulated gate runs of {report['rounds']} rounds "
-              f"x {report['tokens']} tokens drawn from pools of {report['pool_rounds']}; threshold "
-              f"+{report['threshold']:.0%}")
+    body = [[r["condition"], f"+{r['planted']:.0%}"]
+            + [f"x{r['measured_ratio'][s]:.3f}" for s in SCENARIOS]
+            + [f"{r['by_scenario'][s]:.1%}" for s in SCENARIOS]
+            + [f"{r['fail_rate']:.1%}" + ("" if r["planted"] else " (false alarms)")] for r in report["rows"]]
+    headers = (["condition", "planted"] + [f"measured, {s}" for s in SCENARIOS] + [f"fails, {s}" for s in SCENARIOS]
+               + ["gate fails"])
+    costs = ", ".join(f"{s} {c * 1000:.1f} ms" for s, c in report["cost_per_token"].items())
+    return (tabulate(body, headers=headers)
+            + f"\nunit {report['unit']}, p{report['quantile']} per token quiet: {costs}; {report['runs']} simulated "
+              f"gate runs of {report['rounds']} round pairs x {report['tokens']} tokens per scenario, drawn from pools "
+              f"of {report['pool_rounds']}; thresholds "
+              + ", ".join(f"{s} +{t:.0%}" for s, t in report["thresholds"].items()))

@@ -31,11 +31,12 @@ def pytest_addoption(parser):
     group.addoption("--streaming-pool-slots", type=int, default=None, help="expert slots per layer for the streaming model (default: every expert)")
     group.addoption("--streaming-io-mode", default="buffered", choices=("buffered", "direct"), help="how the streaming model reads experts")
     group.addoption("--streaming-perf-tokens", type=int, default=12, help="tokens per timed perf round (default 12)")
-    group.addoption("--streaming-perf-rounds", type=int, default=15,
-                    help="timed rounds per perf scenario (default 15: enough at the measured noise, see the README)")
+    group.addoption("--streaming-perf-rounds", type=int, default=20,
+                    help="timed rounds per perf scenario, each after its yardstick round (default 20: the power "
+                         "study's, see the README)")
     group.addoption("--streaming-perf-threshold", type=float, default=None,
                     help="the slowdown the perf gate tolerates before failing, when it is also statistically clear "
-                         "(default 0.30)")
+                         "(default: each scenario's own, set from the power study: see the README)")
 
 
 def _perf_selected(config) -> bool:
@@ -92,7 +93,7 @@ def pytest_sessionfinish(session, exitstatus):
     baseline = {b["fullname"]: b.get("extra_info", {}) for b in baseline_run["benchmarks"]}
     same = perf_gate.machine_profile(machine_info) == perf_gate.machine_profile(baseline_run.get("machine_info", {}))
     threshold = session.config.getoption("--streaming-perf-threshold")
-    rows = perf_gate.check(current, baseline, same, perf_gate.DEFAULT_THRESHOLD if threshold is None else threshold)
+    rows = perf_gate.check(current, baseline, same, threshold)
     recorded = f"the run of {baseline_run.get('datetime', '?')} (commit {baseline_run.get('commit_info', {}).get('id', '?')[:10]})"
     session.config._mlx_perf_gate = (rows, same, recorded)
     if any(row.fail for row in rows):
