@@ -11,7 +11,6 @@ Record a new baseline (single process):
 """
 
 import os
-import time
 
 import pytest
 
@@ -68,18 +67,12 @@ def _rounds(benchmark, decode, yardstick, perf, store, exact=(), threshold=perf_
     seconds, the first timed round's work counters, and the slowdown the gate tolerates for this scenario."""
     unit, costs, yard_costs, walls, first = perf_gate.cost_unit(), [], [], [], {}
 
-    def cost(run) -> tuple:
-        c0, w0 = time.process_time(), time.perf_counter()
-        out = run()
-        wall = (time.perf_counter() - w0) / perf["tokens"]
-        return ((time.process_time() - c0) / perf["tokens"] if unit.startswith("cpu") else wall), wall, out
-
     def setup():
-        yard_costs.append(cost(yardstick)[0])
+        yard_costs.append(perf_gate.measured(yardstick, perf["tokens"], unit)[0])
         store.reset_stats()
 
     def once():
-        spent, wall, spec = cost(decode)
+        spent, wall, spec = perf_gate.measured(decode, perf["tokens"], unit)
         costs.append(spent)
         walls.append(wall)
         if not first:

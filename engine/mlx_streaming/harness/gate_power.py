@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -47,9 +46,7 @@ def _record(models: Dict, reference, prompt, tokens: int, n: int, plants: Dict[s
     burnt per forward of that scenario's model."""
 
     def cost(model) -> float:
-        c0, w0 = time.process_time(), time.perf_counter()
-        greedy_generate(model, prompt, tokens)
-        return ((time.process_time() - c0) if unit.startswith("cpu") else (time.perf_counter() - w0)) / tokens
+        return perf_gate.measured(lambda: greedy_generate(model, prompt, tokens), tokens, unit)[0]
 
     pairs = {scenario: ([], []) for scenario in models}
     for scenario, sm in models.items():
