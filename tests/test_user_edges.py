@@ -267,3 +267,13 @@ def test_help_shows_defaults_version_and_only_the_options_a_command_takes():
     for name, command in commands.items():
         undocumented = [a.dest for a in command._actions if a.option_strings and not a.help]
         assert undocumented == [], name
+
+
+@pytest.mark.parametrize("content,needle", [(None, "cannot read it"), ("{not json", "not valid JSON"),
+                                            ('{"pools": {}}', "not a `bench --gate-power --json` file")])
+def test_gate_power_replay_of_a_bad_file_says_which_and_why(tmp_path, content, needle):
+    recorded = tmp_path / "pools.json"
+    if content is not None:
+        recorded.write_text(content)
+    _one_line_error(_cli("bench", "--gate-power-replay", recorded), str(recorded), needle)
+    assert content is None or recorded.read_text() == content  # the user's file is left as it was
