@@ -60,7 +60,8 @@ def _queue_step(model, token: mx.array, cache, store) -> tuple:
         with store.queueing() as checks:
             logits = model(token.reshape(1, 1), cache=cache)[0, -1]
     next_token = mx.argmax(logits)
-    mx.async_eval(next_token)
+    # the check's routes too: confirming it then waits for nothing the device has not already been given
+    mx.async_eval(next_token, *(check.flat for check in checks))
     return logits, next_token, (checks[0] if checks else None)
 
 
