@@ -84,7 +84,8 @@ class ExpertStore:
         self.plant_s = plant_s
         #: Per layer, expert id -> slot on the host (-1: not resident), kept with every placement and eviction:
         #: the rows of one table, so that one lookup checks every layer's routes. A route's key in the table
-        #: flattened is ``_key_base[layer] + expert`` (one index array: numpy gathers it faster than a pair).
+        #: flattened is ``_key_base[layer] + expert``: one number per (layer, expert), which the check both looks
+        #: up and counts distinct.
         self._slot_table = np.full((len(index.layers), index.num_experts), -1, dtype=np.int32)
         self._slots = {layer: self._slot_table[row] for row, layer in enumerate(index.layers)}
         self._key_base = {layer: row * index.num_experts for row, layer in enumerate(index.layers)}
