@@ -67,3 +67,47 @@ def test_speculation_with_the_deferred_check_equals_greedy(model_dir, reference_
         ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, TOKENS, 3, verify_mode)
         assert sm.store.stats()["deferred_forwards"] > 0
     assert ids == greedy_generate(reference_model, prompt, TOKENS) and stats["steps"] > 0
+
+
+def test_a_preloaded_pool_is_counted_in_bulk_as_the_per_layer_path_counts(model_dir, reference_model, prompt_ids):
+    """Every expert resident from the build: no forward can miss, so none waits for a check; the hits of the
+    forwards are counted together, in one wait for the device per ``COUNT_EVERY`` forwards or at ``stats``."""
+    prompt = prompt_ids[0]
+    layer_ids, layer_stats = _run(model_dir, prompt, "layer", preload=True)
+    token_ids, token_stats = _run(model_dir, prompt, "token", preload=True)
+    assert token_ids == layer_ids == greedy_generate(reference_model, prompt, TOKENS)
+    assert {k: token_stats[k] for k in COUNTED} == {k: layer_stats[k] for k in COUNTED}
+    assert token_stats["misses"] == token_stats["bytes_read"] == 0 and token_stats["hits"] > 0
+    assert token_stats["deferred_forwards"] == TOKENS and token_stats["host_syncs"] == 1
+
+
+def test_bulk_counts_wait_once_per_count_every_forwards_and_a_reset_drops_them(model_dir, prompt_ids):
+    from mlx_streaming.cache.store import COUNT_EVERY
+
+    prompt = prompt_ids[0]
+    with build_streaming_model(model_dir, StreamingConfig(preload=True)) as sm:
+        greedy_generate(sm.model, prompt, 8)
+        sm.store.reset_stats()  # the 8 forwards above are not counted
+        greedy_generate(sm.model, prompt, COUNT_EVERY + 2)  # prefill + COUNT_EVERY + 1 decode forwards
+        bulk = sm.store.stats()
+        assert bulk["host_syncs"] == 2 and bulk["fastpath"] == (COUNT_EVERY + 2) * 8
+    with build_streaming_model(model_dir, StreamingConfig(preload=True, miss_check="layer")) as sm:
+        greedy_generate(sm.model, prompt, COUNT_EVERY + 2)
+        assert sm.store.stats()["hits"] == bulk["hits"]
+
+
+def test_preload_needs_a_pool_that_holds_every_expert(model_dir):
+    from mlx_streaming.errors import PoolTooSmallError
+
+    with pytest.raises(PoolTooSmallError, match="preload needs a pool that holds every expert: pool_slots=12 of"):
+        build_streaming_model(model_dir, StreamingConfig(preload=True, pool_slots=12))
+
+
+def test_speculation_on_a_preloaded_pool_equals_greedy(model_dir, reference_model, prompt_ids):
+    prompt = prompt_ids[1]
+    with build_streaming_model(model_dir, StreamingConfig(mtp=True, preload=True)) as sm:
+        ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, TOKENS, 3, "direct")
+        counted = sm.store.stats()
+    assert ids == greedy_generate(reference_model, prompt, TOKENS) and stats["steps"] > 0
+    assert counted["misses"] == counted["deferred_retries"] == 0 and counted["hits"] > 0
+    assert counted["host_syncs"] == 1  # the bulk hit count at stats(): no forward waited for a check

@@ -69,6 +69,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="bytes for the whole process, e.g. 24G, or auto (80%% of the memory available now); the pool "
                         f"gets what the dense weights, {_default('memory_allowance')} for caches and prefetch "
                         "staging leave")
+    g.add_argument("--preload", action="store_true", default=None,
+                   help="read every expert into the pool at build (needs a pool that holds every expert): nothing "
+                        "is read while decoding and no forward waits for a miss check (PRELOAD=1)")
     g.add_argument("--io-mode", choices=("buffered", "direct"),
                    help=f"read experts through the page cache or bypass it (default {DEFAULTS.io_mode})")
     g.add_argument("--packed", dest="packed_dir", metavar="DIR", help="read experts from this packed layout (mlx-streaming repack)")

@@ -33,6 +33,9 @@ class StreamingConfig:
     pool_slots: Optional[int] = None
     #: Bytes of expert weights all MoE layers together keep resident.
     pool_bytes: Optional[int] = None
+    #: Read every expert into the pool at build (the pool must hold every expert): nothing is read while
+    #: decoding, and no forward can miss, so none waits for a miss check. Counters start after the fill.
+    preload: bool = False
     #: Bytes the whole process may use; the pool gets what the dense weights and the allowance leave.
     memory_budget: Optional[int] = None
     #: The share of each MoE layer's experts kept resident (0.25: a quarter of them, rounded).
@@ -199,4 +202,5 @@ ENV_NAMES = {
     "PREFETCH_MULT": ("prefetch_mult", int),
     "STAGING_BYTES": ("staging_bytes", parse_size),
     "MISS_CHECK": ("miss_check", str),
+    "PRELOAD": ("preload", _flag),
 }

@@ -189,6 +189,9 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     if ckpt.head is not None:
         qwen3_next.install_state_capture(ckpt.model)
     sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, plan, ckpt.head)
+    if config.preload:
+        store.fill()
+        sm.reset_stats()
     if config.pin_hot:
         pin_hot_experts(sm, config.pin_hot, config.pin_cal_tokens)
     return sm

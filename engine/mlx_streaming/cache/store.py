@@ -22,8 +22,18 @@ from ..io.reader import ExpertReader
 from .stats import ResidencyStats
 from .policy import LRUSlots, expert_groups
 
+#: A complete pool's forwards are counted in batches of this many (``_count_later``).
+COUNT_EVERY = 64
+#: Experts read per batch when ``fill`` makes a whole layer resident (bounds the host buffers of one read).
+FILL_BATCH = 64
+
 _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 _MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
+
+
+def _flat(routes: List[tuple]) -> mx.array:
+    """Every route of ``routes`` ((layer, indices) pairs) in one lazy array, in order."""
+    return mx.concatenate([indices.reshape(-1) for _, indices in routes]) if routes else mx.zeros((0,), mx.uint32)
 
 
 def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
@@ -97,6 +107,11 @@ class ExpertStore:
         #: Deferred forwards not yet confirmed, oldest first (``queueing``), and where ``queue`` puts new ones.
         self._queued: List[QueuedCheck] = []
         self._queue_into: Optional[list] = None
+        #: Whether every expert of every layer is resident in a pool with a slot for each: then no forward can
+        #: miss (``_counted_later``). Set when loads fill the last slot; a pool with an identity slot never evicts.
+        self.complete = False
+        #: Forwards of a complete pool not yet counted, each its routes by layer (``_count_later``).
+        self._uncounted: List[List[tuple]] = []
         #: Whether the forward running (``_missed``) and the one before it found a routed expert not resident.
         self._missed = self._previous_missed = False
         self._routed = {layer: np.zeros(index.num_experts, dtype=np.int64) for layer in index.layers}
@@ -107,6 +122,7 @@ class ExpertStore:
         return sum(a.nbytes for pool in self.pools.values() for a in pool.values())
 
     def reset_stats(self) -> None:
+        self._uncounted = []  # forwards before the reset: not counted
         self.counters.reset(self.prefetcher.staging_bytes if self.prefetcher else 0)
         self.reader.reads = 0
         if self.predictor is not None and self.predictor.diagnostics is not None:
@@ -116,6 +132,7 @@ class ExpertStore:
         """Every counter (``cache.stats.FIELDS``), and what follows from them: ``demand_loads``,
         ``prefetch_bytes``, ``bytes_read`` (every byte read from disk), ``read_calls`` (the reader's system
         reads), and ``verify_from_manifest`` / ``prefetch_staging_bytes`` where those parts exist."""
+        self._count_uncounted()
         c = self.counters
         out = c.as_dict()
         out["demand_loads"] = c.misses - c.prefetched
@@ -202,18 +219,18 @@ class ExpertStore:
             self._tables[layer] = mx.array(np.maximum(self._slots[layer], 0))
         return self._tables[layer][indices]
 
-    def _close_forward(self) -> tuple:
-        """End the deferred forward: its routes by layer and their concatenation (lazy, nothing waited for)."""
+    def _close_forward(self) -> List[tuple]:
+        """End the deferred forward: its routes by layer (lazy, nothing waited for)."""
         routes, self._deferred, self.deferring = self._deferred, [], False
-        flat = mx.concatenate([indices.reshape(-1) for _, indices in routes]) if routes else mx.zeros((0,), mx.uint32)
-        return routes, flat
+        return routes
 
     def end_forward(self, output: mx.array) -> bool:
         """Evaluate the deferred forward's ``output`` and routes (one sync, one transfer of every layer's routes);
         when every routed expert was resident account them as the layer-by-layer path would and return True;
         else change nothing and return False (the caller restores its caches and runs the forward again, layer
-        by layer)."""
-        return self._check(*self._close_forward(), output)
+        by layer). A complete pool's forward is counted later, with no wait (``_count_later``)."""
+        routes = self._close_forward()
+        return self._count_later(routes) or self._check(routes, _flat(routes), output)
 
     def _check(self, routes: List[tuple], flat: mx.array, output: mx.array) -> bool:
         start = time.perf_counter()
@@ -240,6 +257,45 @@ class ExpertStore:
             self.layer_done(layer)
         return True
 
+    def _count_later(self, routes: List[tuple]) -> bool:
+        """Where no forward can miss (``complete``), the miss check is not asked for at every layer, and
+        nothing but the hit counters watches routes (``_only_counted``), keep ``routes`` to be counted with others and return True; else False. Every
+        ``COUNT_EVERY`` forwards the ones before the newest are counted: a decode loop has read their tokens
+        back, so their routes are on the host's side already and counting them waits for nothing in flight
+        (one concatenation on the device would queue behind the step in flight and wait for it)."""
+        if not (self.complete and self.miss_check == "token" and self._only_counted()):
+            return False
+        self.counters.fastpath += len(routes)
+        self._uncounted.append(routes)
+        if len(self._uncounted) > COUNT_EVERY:
+            self._count_uncounted(keep_newest=True)
+        return True
+
+    def count_call_later(self, layer: int, indices: mx.array) -> bool:
+        """One MoE layer call outside a deferred forward (a long prefill, the MTP head): where ``_count_later``
+        applies, kept for the bulk count as a forward of one layer, with no sync; else False."""
+        return self._count_later([(layer, indices)])
+
+    def _count_uncounted(self, keep_newest: bool = False) -> None:
+        """Count the hits of the forwards ``_count_later`` kept (all, or all but the newest): every layer's
+        distinct experts, per forward. Counted as one host sync, whether or not their routes were ready."""
+        if not self._uncounted:
+            return
+        split = len(self._uncounted) - keep_newest
+        forwards, self._uncounted = self._uncounted[:split], self._uncounted[split:]
+        routes = [route for forward in forwards for route in forward]
+        start = time.perf_counter()
+        hosted = np.concatenate([np.array(indices).reshape(-1) for _, indices in routes])
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
+        start = time.perf_counter()
+        # one key per (forward, layer, expert): the table's flat key, offset by the forward's position
+        bases = [n * self._slot_table.size + self._key_base[layer] for n, forward in enumerate(forwards)
+                 for layer, _ in forward]
+        keys = np.repeat(bases, [indices.size for _, indices in routes]) + hosted
+        self.counters.hits += len(set(keys.tolist()))
+        self.counters.route_s += time.perf_counter() - start
+
     def _only_counted(self) -> bool:
         """Whether a forward whose routed experts were all resident changes nothing but the hit counters: a pool
         holding every expert (no recency to touch) with no recorder, route log, predictor or prefetcher; then
@@ -264,7 +320,10 @@ class ExpertStore:
         """Close the deferred forward that gave ``output`` without waiting, when ``queueing``; False otherwise."""
         if self._queue_into is None:
             return False
-        check = QueuedCheck(*self._close_forward(), output, restore)
+        routes = self._close_forward()
+        if self._count_later(routes):
+            return True
+        check = QueuedCheck(routes, _flat(routes), output, restore)
         self._queued.append(check)
         self._queue_into.append(check)
         return True
@@ -349,6 +408,7 @@ class ExpertStore:
                 pool[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
             placed.append((expert, slot))
         self._tables[layer] = None
+        self.complete = self.identity_slots and bool((self._slot_table >= 0).all())
         self.sync(list(pool.values()))
         self.counters.place_s += time.perf_counter() - start
         self.counters.misses += len(experts)
@@ -390,6 +450,17 @@ class ExpertStore:
     def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
         """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""
         return expert_groups(experts, self.policies[layer].pinned, self.capacity)
+
+    def fill(self) -> None:
+        """Make every expert of every layer resident (``StreamingConfig.preload``): the pool must have a slot
+        for each. The forwards that follow can miss nothing and are not checked (``_count_later``)."""
+        if not self.identity_slots:
+            raise PoolTooSmallError(f"preload needs a pool that holds every expert: pool_slots={self.capacity} of "
+                                    f"{self.index.num_experts} experts per MoE layer")
+        experts = range(self.index.num_experts)
+        for layer in self.index.layers:
+            for start in range(0, len(experts), FILL_BATCH):
+                self.acquire(layer, experts[start:start + FILL_BATCH])
 
     def pin(self, layer: int, experts: Iterable[int]) -> None:
         """Load and keep ``experts`` forever; at least ``top_k`` slots must stay unpinned."""

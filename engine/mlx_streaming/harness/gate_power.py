@@ -88,7 +88,7 @@ def study(model_dir: Path, config: StreamingConfig, pool_rounds: int = 20, round
 
     unit = perf_gate.cost_unit()
     reference, _ = mlx_lm.load(str(model_dir))
-    configs = dict(zip(SCENARIOS, (config.with_pool(), config.with_pool(pool_fraction=0.25).replace(io_mode="direct"))))
+    configs = dict(zip(SCENARIOS, (config.with_pool().replace(preload=True), config.with_pool(pool_fraction=0.25).replace(io_mode="direct"))))
     models = {scenario: build_streaming_model(model_dir, c) for scenario, c in configs.items()}
     try:
         prompt = next(iter(models.values())).tokenizer.encode(config.prompt)

@@ -8,6 +8,8 @@ arithmetic is the in-memory model's. A call that routes to more distinct experts
 expert groups that fit, each evaluated before the next may evict its experts. While the store defers its
 miss check (a forward expected to find every routed expert resident), the switch reads slots from the
 store's device-side table instead, with no host sync; the store checks the routes once the forward is done.
+On a complete pool (every expert preloaded) no call can miss: none syncs, and the store counts the routes in
+bulk (``ExpertStore._count_later``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class StreamingSwitch(nn.Module):
         store, layer = self._store, self.layer
         if store.deferring:  # no sync here: slots come from the device-side table, misses are checked per token
             return self.pool_mlp(x, store.defer(layer, indices))
+        if store.count_call_later(layer, indices):  # a complete pool: nothing to load, nothing to check
+            return self.pool_mlp(x, indices)
         routed = store.to_host(indices)
         experts = store.route(layer, routed)
         groups = store.groups(layer, experts)
