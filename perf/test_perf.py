@@ -1,9 +1,11 @@
 """Perf scenarios (pytest-benchmark). Each round is one greedy or speculative decode of ``--streaming-perf-tokens``
 tokens from a fresh cache (the pool stays warm), run just after a yardstick round: the same greedy decode on
-mlx-lm's in-memory model (in the round's untimed setup). ``extra_info`` holds each round's cost per generated
-token in the gate's unit (``perf_gate.cost_unit``: CPU seconds here, wall seconds on a GPU) and its yardstick
-round's, the wall seconds beside them, and the work counters of the first timed round (so they do not depend
-on the number of rounds). The plugin's perf gate compares them with the baseline in ``baselines/`` under
+mlx-lm's in-memory model (in the round's untimed setup). ``extra_info`` holds each round's token costs in the
+gate's unit (``perf_gate.cost_unit``: CPU seconds here, wall seconds on a GPU; a greedy round's tokens one by
+one, a speculative round's as one cost per token) and its yardstick round's, the wall seconds per token beside
+them, and the work counters of the first timed round (so they do not depend on the number of rounds). The two
+greedy scenarios that do the same work every run (full pool, 25% pool without prefetch) are also judged
+together (``combined``). The plugin's perf gate compares them with the baseline in ``baselines/`` under
 ``--benchmark-compare``.
 
 Record a new baseline (single process):
@@ -15,7 +17,7 @@ import os
 import pytest
 
 from mlx_streaming.harness import perf_gate
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.generate import greedy_steps
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
 
@@ -64,18 +66,20 @@ def yardstick(reference_model, prompt_ids, perf):
     return _greedy(reference_model, prompt_ids[0], perf)
 
 
-def _rounds(benchmark, decode, yardstick, perf, store, exact=(), threshold=perf_gate.DEFAULT_THRESHOLD):
-    """``benchmark.pedantic`` over ``decode()`` (returns the speculative stats or None), each round after a
-    ``yardstick()`` round: each round's cost per token and its yardstick's in the gate's unit, the wall
-    seconds, the first timed round's work counters, and the slowdown the gate tolerates for this scenario."""
+def _rounds(benchmark, decode, yardstick, perf, store, exact=(), threshold=perf_gate.DEFAULT_THRESHOLD,
+            combined=False):
+    """``benchmark.pedantic`` over ``decode(unit)`` (returns its token costs, wall seconds per token and the
+    speculative stats or None), each round after a ``yardstick(unit)`` round: each round's token costs and its
+    yardstick's in the gate's unit, the wall seconds, the first timed round's work counters, the slowdown the
+    gate tolerates for this scenario, and whether the combined row judges it too."""
     unit, costs, yard_costs, walls, first = perf_gate.cost_unit(), [], [], [], {}
 
     def setup():
-        yard_costs.append(perf_gate.measured(yardstick, perf["tokens"], unit)[0])
+        yard_costs.append(yardstick(unit)[0])
         store.reset_stats()
 
     def once():
-        spent, wall, spec = perf_gate.measured(decode, perf["tokens"], unit)
+        spent, wall, spec = decode(unit)
         costs.append(spent)
         walls.append(wall)
         if not first:
@@ -84,29 +88,30 @@ def _rounds(benchmark, decode, yardstick, perf, store, exact=(), threshold=perf_
     # Warm-up: the yardstick once, the scenario twice. The first fills the pool; the second starts, like every
     # timed round, from a pool this decode has already been through. (The full pool is preloaded: no forward
     # there can miss, and its hits are counted in bulk, one host sync per round when stats() is read.)
-    yardstick(), decode(), decode()
+    yardstick(unit), decode(unit), decode(unit)
     benchmark.pedantic(once, setup=setup, rounds=perf["rounds"], iterations=1)
     benchmark.extra_info.update(unit=unit, costs=costs, yard_costs=yard_costs, wall_s_per_token=walls,
                                 tokens=perf["tokens"], counters=first, exact=list(exact),
-                                threshold=threshold)
+                                threshold=threshold, combined=combined)
 
 
 def _greedy(model, prompt, perf):
-    def decode():
-        greedy_generate(model, prompt, perf["tokens"])
+    def decode(unit):
+        return (*perf_gate.token_costs(greedy_steps(model, prompt, perf["tokens"]), unit), None)
 
     return decode
 
 
 def test_greedy_full_pool(benchmark, yardstick, fresh_model, prompt_ids, perf):
     sm = fresh_model("full")
-    _rounds(benchmark, _greedy(sm.model, prompt_ids[0], perf), yardstick, perf, sm.store, EXACT_WITHOUT_PREFETCH)
+    _rounds(benchmark, _greedy(sm.model, prompt_ids[0], perf), yardstick, perf, sm.store, EXACT_WITHOUT_PREFETCH,
+            combined=True)
 
 
 def test_greedy_quarter_pool_direct(benchmark, yardstick, fresh_model, prompt_ids, perf):
     sm = fresh_model("quarter")
     _rounds(benchmark, _greedy(sm.model, prompt_ids[0], perf), yardstick, perf, sm.store, EXACT_WITHOUT_PREFETCH,
-            perf_gate.DISK_THRESHOLD)
+            perf_gate.DISK_THRESHOLD, combined=True)
 
 
 def test_greedy_quarter_pool_prefetch(benchmark, yardstick, fresh_model, prompt_ids, perf):
@@ -117,15 +122,17 @@ def test_greedy_quarter_pool_prefetch(benchmark, yardstick, fresh_model, prompt_
 
 
 def test_speculative_k3(benchmark, yardstick, fresh_model, prompt_ids, perf):
-    """K=3, direct commit, at the 25% pool in direct mode."""
+    """K=3, direct commit, at the 25% pool in direct mode: one cost per token for each round."""
     sm = fresh_model("quarter")
     if sm.mtp is None:
         pytest.skip(f"{sm.path} has no MTP head (mtp.safetensors): nothing to speculate with")
     prompt = prompt_ids[0]
 
-    def decode():
-        return mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, perf["tokens"], 3, "direct")[1]
+    def decode(unit):
+        cost, wall, stats = perf_gate.measured(
+            lambda: mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, perf["tokens"], 3, "direct")[1],
+            perf["tokens"], unit)
+        return [cost], wall, stats
 
     _rounds(benchmark, decode, yardstick, perf, sm.store, EXACT_WITHOUT_PREFETCH + ("spec_steps", "accepted_drafts"),
             perf_gate.DISK_THRESHOLD)
-

@@ -98,6 +98,62 @@ def test_a_machine_that_slowed_as_a_whole_passes_and_the_engine_slower_than_it_f
     assert fail[1].startswith("relative to the yardstick x1.")
 
 
+def _token_rounds(cost, cv, seed, n=20, tokens=10):
+    return (cost * (1 + cv * np.random.default_rng(seed).standard_normal((n, tokens)))).tolist()
+
+
+def _combined(slowdown, seed, combined=True):
+    info = _info(_token_rounds(0.1 * slowdown, 0.05, seed), _token_rounds(0.1, 0.05, seed + 1))
+    return {**info, "combined": combined, "threshold": perf_gate.DEFAULT_THRESHOLD}
+
+
+def test_the_combined_row_catches_what_each_scenario_alone_tolerates():
+    """+10% in both scenarios: under each one's +15%, over the combined +7% and clear."""
+    base = {"a": _combined(1.0, 10), "b": _combined(1.0, 20)}
+    rows = perf_gate.check({"a": _combined(1.1, 30), "b": _combined(1.1, 40)}, base, True)
+    assert [r.scenario for r in rows if r.fail] == ["engine (combined)"]
+    (row,) = [r for r in rows if r.scenario == "engine (combined)"]
+    assert row.detail.startswith("a, b: x1.1") and "fails above +7% when clear" in row.detail
+    assert not any(r.fail for r in perf_gate.check({"a": _combined(1.0, 50), "b": _combined(1.0, 60)}, base, True))
+
+
+def test_only_scenarios_marked_combined_are_combined():
+    base = {"a": _combined(1.0, 10), "b": _combined(1.0, 20)}
+    rows = perf_gate.check({"a": _combined(1.1, 30), "b": _combined(1.3, 40, combined=False)}, base, True)
+    (row,) = [r for r in rows if r.scenario == "engine (combined)"]
+    assert row.detail.startswith("a: x1.1")
+    assert [r.scenario for r in rows if r.fail] == ["b", "engine (combined)"]
+    unmarked = {name: {**info, "combined": False} for name, info in base.items()}
+    assert all(r.scenario != "engine (combined)" for r in perf_gate.check(unmarked, base, True))
+
+
+def test_the_cost_is_a_low_percentile_of_every_token_over_the_yardstick_tokens():
+    costs = [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]
+    yard = [[1.0] * 4, [2.0] * 4]
+    assert perf_gate.relative_cost(costs, yard) == np.percentile(range(1, 9), 25) / 1.0
+    assert perf_gate.as_rounds([0.1, 0.2]).shape == (2, 1)  # a baseline of one cost per round
+
+
+def test_token_costs_leave_out_the_prefill_step_and_the_last(monkeypatch):
+    ticks = iter([0.0, 5.0, 6.0, 7.5, 8.0])  # start, then after each of 4 tokens
+    monkeypatch.setattr(perf_gate, "clock", lambda unit: lambda: next(ticks))
+    costs, wall = perf_gate.token_costs(iter(range(4)), "cpu_s_per_token")
+    assert costs == [1.0, 1.5] and wall > 0
+
+
+def test_a_planted_slowdown_burns_its_seconds_on_the_decoding_thread(streaming_model):
+    import time
+
+    store = streaming_model.store
+    store.plant_s = 0.05
+    try:
+        start = time.thread_time()
+        store.plant()
+        assert 0.05 <= time.thread_time() - start < 0.1
+    finally:
+        store.plant_s = 0.0
+
+
 def test_a_scenario_without_baseline_is_reported_not_failed():
     (row,) = perf_gate.check({"new": _info([0.1] * 5)}, BASE, True, 0.05)
     assert not row.fail and "no baseline" in row.detail
@@ -109,7 +165,7 @@ def test_the_power_study_simulation_counts_failing_gate_runs():
     base = {"a": (_rounds(0.1, 0.03, seed=80), _rounds(0.1, 0.03, seed=81))}
     same = {"a": (_rounds(0.1, 0.03, seed=82), _rounds(0.1, 0.03, seed=83))}
     slow = {"a": (_rounds(0.13, 0.03, seed=84), _rounds(0.1, 0.03, seed=85))}
-    assert gate_power.simulate(base, slow, 20, 30, {"a": 0.05}) == (1.0, {"a": 1.0})
+    assert gate_power.simulate(base, slow, 20, 30, {"a": 0.05}) == (1.0, {"a": 1.0, "combined": 1.0})
     rate, _ = gate_power.simulate(base, same, 20, 30, {"a": 0.05})
     assert rate < 0.2
 

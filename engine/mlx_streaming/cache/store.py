@@ -191,10 +191,12 @@ class ExpertStore:
         self.plant()
 
     def plant(self) -> None:
-        """Burn ``plant_s`` CPU seconds (the perf gate's power study plants slowdowns with it; 0 otherwise)."""
+        """Burn ``plant_s`` CPU seconds of this thread (the perf gate's power study plants slowdowns with it; 0
+        otherwise). The thread's own clock, not the process's: while MLX's compute thread runs beside it (a
+        decode loop one step ahead), the process's clock would count that work too and end the burn early."""
         if self.plant_s:
-            end = time.process_time() + self.plant_s
-            while time.process_time() < end:
+            end = time.thread_time() + self.plant_s
+            while time.thread_time() < end:
                 pass
 
     def begin_forward(self, tokens: int) -> bool:

@@ -3,13 +3,14 @@ tree, quiet and with two busy-loop processes beside it (``mlx-streaming bench --
 
 Two of the perf suite's scenarios, greedy at the full pool and greedy at a 25% pool with O_DIRECT, are
 measured as the suite measures them: rounds of ``tokens`` tokens, each scenario round just after its own
-yardstick round (greedy on mlx-lm's in-memory model), cost per token in the gate's unit. Pools of ``pool_rounds``
+yardstick round (greedy on mlx-lm's in-memory model), each token's cost in the gate's unit. Pools of ``pool_rounds``
 round pairs are recorded per scenario: a baseline pool on the quiet machine, then for each condition (quiet,
 busy) an unchanged pool and one pool per planted slowdown (``fraction`` x the scenario's baseline cost per
-token, burnt at the start of every forward: one forward per greedy token). Gate runs are then simulated: each
-draws ``rounds`` pairs with replacement from the baseline pool and from the condition's pool, per scenario, and
-applies ``perf_gate.slowdown_verdict`` at the scenario's threshold in the perf suite (``THRESHOLDS``); a run
-fails when either scenario fails. The failing share is the catch rate (for an unchanged pool, the false-alarm
+token, CPU time of the decoding thread burnt at the start of every forward: one forward per greedy token). Gate
+runs are then simulated: each draws ``rounds`` pairs with replacement from the baseline pool and from the
+condition's pool, per scenario, and applies the gate's rules: ``perf_gate.slowdown_verdict`` per scenario at its
+threshold in the perf suite (``THRESHOLDS``), and ``perf_gate.combined_verdict`` on both together (they are the
+suite's ``combined`` scenarios); a run fails when any of the three fails. The failing share is the catch rate (for an unchanged pool, the false-alarm
 rate). ``replay`` simulates recorded pools again (``bench --gate-power --json FILE`` keeps them) under the
 current rule, without measuring anew.
 """
@@ -25,10 +26,11 @@ import numpy as np
 
 from . import perf_gate
 from ..config import StreamingConfig
-from ..generate import greedy_generate
+from ..generate import greedy_generate, greedy_steps
 
 FRACTIONS = (0.05, 0.10, 0.20)
 SCENARIOS = ("full pool", "25% pool, O_DIRECT")
+COMBINED = "combined"
 #: Each scenario's threshold, as the perf suite judges its twin (``perf/test_perf.py``).
 THRESHOLDS = dict(zip(SCENARIOS, (perf_gate.DEFAULT_THRESHOLD, perf_gate.DISK_THRESHOLD)))
 
@@ -42,19 +44,19 @@ def _busy_neighbours(n: int) -> list:
 
 
 def _record(models: Dict, reference, prompt, tokens: int, n: int, plants: Dict[str, float], unit: str) -> Dict:
-    """``n`` round pairs (scenario cost, its yardstick's cost) per scenario, ``plants[scenario]`` CPU seconds
-    burnt per forward of that scenario's model."""
+    """``n`` round pairs (the scenario's token costs, its yardstick's) per scenario, ``plants[scenario]`` CPU
+    seconds burnt per forward of that scenario's model."""
 
-    def cost(model) -> float:
-        return perf_gate.measured(lambda: greedy_generate(model, prompt, tokens), tokens, unit)[0]
+    def costs(model) -> list:
+        return perf_gate.token_costs(greedy_steps(model, prompt, tokens), unit)[0]
 
     pairs = {scenario: ([], []) for scenario in models}
     for scenario, sm in models.items():
         sm.store.plant_s = plants.get(scenario, 0.0)
     for _ in range(n):
         for scenario, sm in models.items():
-            pairs[scenario][1].append(cost(reference))
-            pairs[scenario][0].append(cost(sm.model))
+            pairs[scenario][1].append(costs(reference))
+            pairs[scenario][0].append(costs(sm.model))
     for sm in models.values():
         sm.store.plant_s = 0.0
     return pairs
@@ -62,22 +64,26 @@ def _record(models: Dict, reference, prompt, tokens: int, n: int, plants: Dict[s
 
 def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: int, runs: int,
              thresholds: Dict[str, float], seed: int = 0) -> Tuple[float, Dict[str, float]]:
-    """The share of ``runs`` simulated gate runs that fail (any scenario failing), and each scenario's own
-    failing share. Each run draws ``rounds`` round pairs with replacement from each pool."""
+    """The share of ``runs`` simulated gate runs that fail (any scenario or the combined row failing), and each
+    check's own failing share (per scenario, and ``COMBINED``). Each run draws ``rounds`` round pairs with
+    replacement from each pool."""
     rng = np.random.default_rng(seed)
-    fails, by_scenario = 0, dict.fromkeys(baseline, 0)
-    for _ in range(runs):
-        failed = False
+    fails, by_check = 0, dict.fromkeys(list(baseline) + [COMBINED], 0)
+    for run in range(runs):
+        drawn = {}
         for scenario in baseline:
-            drawn = []
+            drawn[scenario] = []
             for costs, yard in (baseline[scenario], current[scenario]):
                 picks = rng.integers(0, len(costs), rounds)
-                drawn.append((np.asarray(costs)[picks], np.asarray(yard)[picks]))
-            verdict = perf_gate.slowdown_verdict(*drawn, thresholds[scenario])["fail"]
-            by_scenario[scenario] += verdict
-            failed |= verdict
-        fails += failed
-    return fails / runs, {scenario: count / runs for scenario, count in by_scenario.items()}
+                drawn[scenario].append((perf_gate.as_rounds(costs)[picks], perf_gate.as_rounds(yard)[picks]))
+        verdicts = {scenario: perf_gate.slowdown_verdict(*pair, thresholds[scenario], seed=run)["fail"]
+                    for scenario, pair in drawn.items()}
+        verdicts[COMBINED] = perf_gate.combined_verdict(list(drawn.values()), perf_gate.COMBINED_THRESHOLD,
+                                                        seed=run)["fail"]
+        for check, failed in verdicts.items():
+            by_check[check] += failed
+        fails += any(verdicts.values())
+    return fails / runs, {check: count / runs for check, count in by_check.items()}
 
 
 def study(model_dir: Path, config: StreamingConfig, pool_rounds: int = 20, rounds: int = 20, tokens: int = 12,
@@ -123,13 +129,13 @@ def replay(recorded: Dict, rounds: int = 20, runs: int = 300) -> Dict:
     baseline = recorded["baseline"]
     for name, current in recorded["pools"].items():
         condition, planted = name.split(" +")
-        rate, by_scenario = simulate(baseline, current, rounds, runs, THRESHOLDS)
-        measured = {s: float(perf_gate.relative_cost(*current[s]) / perf_gate.relative_cost(*baseline[s]))
-                    for s in SCENARIOS}
+        rate, by_check = simulate(baseline, current, rounds, runs, THRESHOLDS)
+        measured = {s: float(perf_gate.relative_cost(*map(perf_gate.as_rounds, current[s]))
+                             / perf_gate.relative_cost(*map(perf_gate.as_rounds, baseline[s]))) for s in SCENARIOS}
         rows.append({"condition": condition, "planted": float(planted.rstrip("%")) / 100, "fail_rate": rate,
-                     "by_scenario": by_scenario, "measured_ratio": measured})
+                     "by_check": by_check, "measured_ratio": measured})
     keep = ("unit", "cost_per_token", "pool_rounds", "tokens", "baseline", "pools")
-    return {**{key: recorded[key] for key in keep}, "rounds": rounds, "runs": runs, "thresholds": THRESHOLDS,
+    return {**{key: recorded[key] for key in keep}, "rounds": rounds, "runs": runs, "thresholds": {**THRESHOLDS, COMBINED: perf_gate.COMBINED_THRESHOLD},
             "quantile": perf_gate.QUANTILE, "rows": rows}
 
 
@@ -138,13 +144,13 @@ def table(report: Dict) -> str:
 
     body = [[r["condition"], f"+{r['planted']:.0%}"]
             + [f"x{r['measured_ratio'][s]:.3f}" for s in SCENARIOS]
-            + [f"{r['by_scenario'][s]:.1%}" for s in SCENARIOS]
+            + [f"{r['by_check'][c]:.1%}" for c in SCENARIOS + (COMBINED,)]
             + [f"{r['fail_rate']:.1%}" + ("" if r["planted"] else " (false alarms)")] for r in report["rows"]]
-    headers = (["condition", "planted"] + [f"measured, {s}" for s in SCENARIOS] + [f"fails, {s}" for s in SCENARIOS]
+    headers = (["condition", "planted"] + [f"measured, {s}" for s in SCENARIOS] + [f"fails, {c}" for c in SCENARIOS + (COMBINED,)]
                + ["gate fails"])
     costs = ", ".join(f"{s} {c * 1000:.1f} ms" for s, c in report["cost_per_token"].items())
     return (tabulate(body, headers=headers)
-            + f"\nunit {report['unit']}, p{report['quantile']} per token quiet: {costs}; {report['runs']} simulated "
+            + f"\nunit {report['unit']}, p{report['quantile']} of token costs quiet: {costs}; {report['runs']} simulated "
               f"gate runs of {report['rounds']} round pairs x {report['tokens']} tokens per scenario, drawn from pools "
               f"of {report['pool_rounds']}; thresholds "
               + ", ".join(f"{s} +{t:.0%}" for s, t in report["thresholds"].items()))

@@ -1,31 +1,40 @@
 """The perf gate: each perf scenario's rounds and work counters against its recorded baseline.
 
-Every scenario records, per round, its cost per generated token in one unit (``cost_unit``): the process's
-CPU seconds on MLX's CPU backend, which a busy neighbour moves far less than wall time; wall seconds on a GPU backend, whose work is not CPU time. The baseline keeps its
-rounds and its unit, and costs are compared only in the same unit on the same machine profile.
+Every scenario records, per round, the cost of each generated token in one unit (``cost_unit``): the process's
+CPU seconds on MLX's CPU backend, which a busy neighbour moves far less than wall time; wall seconds on a GPU
+backend, whose work is not CPU time. The baseline keeps its rounds and its unit, and costs are compared only in
+the same unit on the same machine profile. A greedy round's tokens are timed one by one (the first, which
+carries the prompt's prefill, and the last, which queues no next step, are left out); a speculative round, whose steps decode several tokens, gives one
+cost per token for the whole round.
 
 Every round of a scenario is paired with a yardstick round run just before it: the same greedy decode on
 mlx-lm's own in-memory model (not the engine's code), in the same unit. A run's **relative cost** is the
-``QUANTILE``-th percentile of its rounds' ratios to their yardstick rounds, so what moves the whole machine for
-a few seconds or more (a busy neighbour, a slower state of the same CPU) cancels pair by pair.
+``QUANTILE``-th percentile of all its tokens' costs over that of its yardstick rounds' tokens: CPU time per token
+on the 2-core CI machine is a floor with spikes above it, and a low percentile of many tokens finds the floor
+where a round's total carries its spikes; the yardstick carries what moves the whole machine for minutes (a busy
+neighbour, a slower state of the same CPU).
 
-The verdict per scenario, stated once here:
+The verdict, stated once here:
 
 - **Work counters** (``WORK_COUNTERS``, per generated token, one definition each) named in the scenario's
   ``exact`` list must equal the baseline's exactly, on any machine: a new host sync per layer or an extra read
   per expert fails without a clock.
-- **Cost**: the ratio of relative costs (current / baseline) with a bootstrap interval (``RESAMPLES``
-  resamples of each run's round pairs). The scenario fails only when the slowdown is both statistically clear
-  (the interval's lower bound, one-sided 95%, is above 1) and larger than ``threshold`` (the ratio itself is
-  above 1 + threshold). The report also gives the smallest slowdown this noise lets the rule catch 95% of the
-  time, and the machine's drift (the yardstick's own ratio), which is reported, not judged.
+- **Cost, per scenario**: the ratio of relative costs (current / baseline) with a bootstrap interval
+  (``RESAMPLES`` resamples of each run's rounds, a round with its yardstick round). The scenario fails only
+  when the slowdown is both statistically clear (the interval's lower bound, one-sided 95%, is above 1) and
+  larger than its ``threshold``. The report also gives the smallest slowdown this noise lets the rule catch 95%
+  of the time, and the machine's drift (the yardstick's own ratio), which is reported, not judged.
+- **Cost, the engine as a whole**: a slowdown in the engine's decode path slows every scenario, so the scenarios
+  marked ``combined`` are judged together too, by the geometric mean of their ratios (and of each resample's),
+  under the same rule at ``COMBINED_THRESHOLD``. Two scenarios' independent noise halves the variance of their
+  mean, so the combined row resolves a smaller slowdown than either scenario alone.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -43,24 +52,21 @@ WORK_COUNTERS = {
     "spec_steps": "speculative verify steps",
     "accepted_drafts": "drafts accepted by speculative verification",
 }
-#: The slowdown the gate tolerates before failing (and only when it is also statistically clear), per kind of
-#: scenario, set from the power study's recorded pools (``gate_power``; the README gives its table). For a
-#: scenario whose work is compute (every expert resident) +15% is the lowest threshold that kept false alarms on
-#: an unchanged tree at or under 2% (1.3% quiet, 0% busy; at +10%: 5.3%, at +12%: 3.3%). One that reads experts
-#: from disk (25% pool, O_DIRECT) moved by up to 6% from its planted slowdown between pools recorded minutes
-#: apart and failed an unchanged tree in 4% of runs at +10%: it is judged at +30%, and its regressions are caught
-#: finely by its exact work counters.
+#: The slowdown the gate tolerates before failing (and only when it is also statistically clear): per scenario,
+#: by kind of work, and for the engine as a whole (the ``combined`` scenarios together). The per-scenario ones
+#: catch a large regression of one scenario: +15% where the work is compute, +30% where experts are read from
+#: disk, whose cost moved by up to 8% between pools of an unchanged tree (its exact counters guard its reads
+#: finely). The combined one was set on the power study's pools of 2026-12-04 (``gate_power``; the README gives
+#: the table), 300 simulated runs per row: at +7% a planted 10% failed 96% of runs quiet and busy, an unchanged
+#: tree 0% quiet and 2.7% busy; at +6% 99% and 6.7%; at +7.5% 95% / 93% and 0.3%; at +8% 92% / 89% and 0%.
 DEFAULT_THRESHOLD = 0.15
 DISK_THRESHOLD = 0.30
-#: The percentile of a run's round ratios taken as its relative cost. CPU time per round on the 2-core CI
-#: machine is a floor with spikes above it (a yardstick run of 20 rounds, in ms per token: 99-105 in 15 rounds,
-#: 113-132 in 5), and the machine has slow phases of minutes (the yardstick at 125-140 ms for most of a pool
-#: recorded just before one at 97-113). On the power study's recorded pools the 25th percentile of round ratios
-#: judged at +10% caught a planted 10% at the full pool in 100% (quiet) and 73% (busy) of 100 simulated runs with 1% and 0% false
-#: alarms; the median of the same ratios caught 59% and 38%, and p25 engine over p25 yardstick 68% and 55%
-#: with 7% and 3% false alarms.
+COMBINED_THRESHOLD = 0.07
+#: The percentile of a run's token costs taken as its cost: the floor under CPU-time spikes (on the power study's
+#: earlier pools the 25th percentile of every token's cost gave a smaller bootstrap spread than the median of
+#: round totals, their 25th percentile, or the median of each round's tokens).
 QUANTILE = 25
-RESAMPLES = 4000
+RESAMPLES = 2000
 CONFIDENCE = 0.95
 
 
@@ -71,12 +77,27 @@ def cost_unit() -> str:
     return "cpu_s_per_token" if mx.default_device().type == mx.DeviceType.cpu else "wall_s_per_token"
 
 
+def clock(unit: str) -> Callable[[], float]:
+    return time.process_time if unit.startswith("cpu") else time.perf_counter
+
+
 def measured(run: Callable[[], object], tokens: int, unit: str) -> tuple:
     """``run()``'s cost per token in ``unit``, its wall seconds per token, and what it returned."""
-    c0, w0 = time.process_time(), time.perf_counter()
+    now = clock(unit)
+    c0, w0 = now(), time.perf_counter()
     out = run()
-    wall = (time.perf_counter() - w0) / tokens
-    return ((time.process_time() - c0) / tokens if unit.startswith("cpu") else wall), wall, out
+    return (now() - c0) / tokens, (time.perf_counter() - w0) / tokens, out
+
+
+def token_costs(steps: Iterable, unit: str) -> tuple:
+    """The cost in ``unit`` of each step of ``steps`` (an iterator that yields once per generated token) but the
+    first, which carries the prompt's prefill, and the last, which queues no next step (a decode loop one step
+    ahead computed it during the step before); and the wall seconds per token of them all."""
+    now = clock(unit)
+    marks, w0 = [now()], time.perf_counter()
+    for _ in steps:
+        marks.append(now())
+    return np.diff(marks)[1:-1].tolist(), (time.perf_counter() - w0) / (len(marks) - 1)
 
 
 def work_counters(stats: Mapping, reader_reads: int, tokens: int, spec: Optional[Mapping] = None) -> Dict[str, float]:
@@ -92,36 +113,53 @@ def work_counters(stats: Mapping, reader_reads: int, tokens: int, spec: Optional
     return {name: value / tokens for name, value in counts.items()}
 
 
+def as_rounds(rounds) -> np.ndarray:
+    """A run's rounds as one array, a row per round (a baseline of the earlier format, one cost per round,
+    gives one column)."""
+    rounds = np.asarray(rounds, dtype=float)
+    return rounds[:, None] if rounds.ndim == 1 else rounds
+
+
 def relative_cost(costs, yard_costs) -> np.ndarray:
-    """A run's cost relative to its yardstick: the ``QUANTILE``-th percentile of its rounds' ratios to their
-    yardstick rounds (along the last axis)."""
-    return np.percentile(np.asarray(costs) / np.asarray(yard_costs), QUANTILE, axis=-1)
+    """A run's cost relative to its yardstick: the ``QUANTILE``-th percentile of its tokens' costs over its
+    yardstick tokens'. ``costs`` and ``yard_costs``: rounds by tokens, with any number of leading axes (one
+    per resample)."""
+    flat = [np.reshape(a, a.shape[:-2] + (-1,)) for a in (np.asarray(costs), np.asarray(yard_costs))]
+    return np.percentile(flat[0], QUANTILE, axis=-1) / np.percentile(flat[1], QUANTILE, axis=-1)
 
 
-def ratio_interval(baseline: tuple, current: tuple, seed: int = 0) -> tuple:
-    """(ratio of relative costs current / baseline, its one-sided lower and upper bounds at ``CONFIDENCE``, the
-    bootstrap standard error of the ratio). ``baseline`` and ``current``: (costs, yardstick costs), paired
-    round by round; a resample draws whole pairs."""
-    rng = np.random.default_rng(seed)
-
+def ratio_draws(baseline: tuple, current: tuple, rng) -> tuple:
+    """(ratio of relative costs current / baseline, ``RESAMPLES`` bootstrap draws of it). ``baseline`` and
+    ``current``: (costs, yardstick costs), rounds by tokens, paired round by round; a resample draws whole
+    rounds with their yardstick rounds."""
     def resampled(run):
-        costs, yard = (np.asarray(rounds, dtype=float) for rounds in run)
-        picks = rng.integers(0, costs.size, (RESAMPLES, costs.size))
+        costs, yard = (as_rounds(rounds) for rounds in run)
+        picks = rng.integers(0, len(costs), (RESAMPLES, len(costs)))
         return relative_cost(costs, yard), relative_cost(costs[picks], yard[picks])
 
     (now, now_rs), (base, base_rs) = resampled(current), resampled(baseline)
-    ratios = now_rs / base_rs
+    return float(now / base), now_rs / base_rs
+
+
+def _verdict(ratio: float, draws: np.ndarray, threshold: float) -> dict:
     tail = 100 * (1 - CONFIDENCE)
-    return (float(now / base), float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail)),
-            float(ratios.std()))
-
-
-def slowdown_verdict(baseline: tuple, current: tuple, threshold: float = DEFAULT_THRESHOLD) -> dict:
-    """The cost rule on two runs, each (costs, yardstick costs): ratio, interval, the slowdown this noise lets
-    the rule catch 95% of the time, and whether it fails."""
-    ratio, low, high, se = ratio_interval(baseline, current)
-    return {"ratio": ratio, "low": low, "high": high, "detectable": threshold + 1.645 * se,
+    low, high = (float(np.percentile(draws, q)) for q in (tail, 100 - tail))
+    return {"ratio": ratio, "low": low, "high": high, "detectable": threshold + 1.645 * float(draws.std()),
             "fail": low > 1.0 and ratio > 1.0 + threshold}
+
+
+def slowdown_verdict(baseline: tuple, current: tuple, threshold: float = DEFAULT_THRESHOLD, seed: int = 0) -> dict:
+    """The cost rule on two runs, each (costs, yardstick costs): ratio, one-sided interval, the slowdown this
+    noise lets the rule catch 95% of the time, and whether it fails."""
+    return _verdict(*ratio_draws(baseline, current, np.random.default_rng(seed)), threshold)
+
+
+def combined_verdict(pairs: Sequence[tuple], threshold: float = COMBINED_THRESHOLD, seed: int = 0) -> dict:
+    """The cost rule on several scenarios together, each (baseline, current) as ``slowdown_verdict`` takes them:
+    the geometric mean of their ratios, and of their draws resample by resample."""
+    rng = np.random.default_rng(seed)
+    ratios, draws = zip(*(ratio_draws(base, now, rng) for base, now in pairs))
+    return _verdict(float(np.exp(np.mean(np.log(ratios)))), np.exp(np.mean(np.log(draws), axis=0)), threshold)
 
 
 @dataclass(frozen=True)
@@ -150,10 +188,11 @@ def machine_profile(machine_info: Mapping) -> dict:
 
 def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], same_machine: bool,
           threshold: Optional[float] = None) -> List[Row]:
-    """``{scenario: extra_info}`` now and recorded; one row per check made (and per check skipped, saying why).
-    Each scenario's cost is judged at the ``threshold`` its current run records (``DEFAULT_THRESHOLD`` where it
-    records none), or at ``threshold`` for every scenario when given."""
-    rows = []
+    """``{scenario: extra_info}`` now and recorded; one row per check made (and per check skipped, saying why),
+    then the combined row of the scenarios marked ``combined``. Each scenario's cost is judged at the
+    ``threshold`` its current run records (``DEFAULT_THRESHOLD`` where it records none) and the combined row at
+    ``COMBINED_THRESHOLD``, or everything at ``threshold`` when given."""
+    rows, combined = [], []
     for scenario, now in sorted(current.items()):
         base = baseline.get(scenario)
         if base is None:
@@ -164,24 +203,48 @@ def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], same_
             rows.append(Row(scenario, f"{name}/token", b, c, "exact", b != c))
         judged_at = now.get("threshold", DEFAULT_THRESHOLD) if threshold is None else threshold
         rows.append(_cost_row(scenario, base, now, same_machine, judged_at))
+        if now.get("combined") and _not_comparable(base, now, same_machine) is None:
+            combined.append((scenario, _run(base), _run(now)))
+    if combined:
+        judged_at = COMBINED_THRESHOLD if threshold is None else threshold
+        v = combined_verdict([(base, now) for _, base, now in combined], judged_at)
+        names = ", ".join(name.rsplit("::", 1)[-1] for name, _, _ in combined)
+        rows.append(Row("engine (combined)", "cost (geometric mean)", "-", "-",
+                        f"{names}: x{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}], catches >= "
+                        f"{v['detectable']:.1%} slowdowns; fails above +{judged_at:.0%} when clear", v["fail"]))
     return rows
 
 
-def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, threshold: float) -> Row:
-    unit = base.get("unit")
+def _run(info: Mapping) -> tuple:
+    return info["costs"], info["yard_costs"]
+
+
+def _not_comparable(base: Mapping, now: Mapping, same_machine: bool) -> Optional[str]:
+    """Why two runs' costs cannot be compared, or None."""
     if not all(info.get(key) for info in (base, now) for key in ("costs", "yard_costs")):
-        return Row(scenario, "cost", "-", "-", "no rounds with their yardstick rounds recorded: not compared", False)
-    summary = {"baseline": round(float(np.percentile(base["costs"], QUANTILE)), 5),
-               "current": round(float(np.percentile(now["costs"], QUANTILE)), 5)}
-    if unit != now.get("unit") or not same_machine:
-        why = f"units differ ({unit} vs {now.get('unit')})" if unit != now.get("unit") else "another machine profile"
-        return Row(scenario, "cost", *summary.values(), f"{why}: not compared", False)
-    v = slowdown_verdict((base["costs"], base["yard_costs"]), (now["costs"], now["yard_costs"]), threshold)
-    drift = float(np.percentile(now["yard_costs"], QUANTILE) / np.percentile(base["yard_costs"], QUANTILE))
+        return "no rounds with their yardstick rounds recorded"
+    if base.get("unit") != now.get("unit"):
+        return f"units differ ({base.get('unit')} vs {now.get('unit')})"
+    return None if same_machine else "another machine profile"
+
+
+def _floor(rounds) -> float:
+    return float(np.percentile(as_rounds(rounds), QUANTILE))
+
+
+def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, threshold: float) -> Row:
+    why = _not_comparable(base, now, same_machine)
+    if why is not None and not (base.get("costs") and now.get("costs")):
+        return Row(scenario, "cost", "-", "-", f"{why}: not compared", False)
+    summary = round(_floor(base["costs"]), 5), round(_floor(now["costs"]), 5)
+    if why is not None:
+        return Row(scenario, "cost", *summary, f"{why}: not compared", False)
+    v = slowdown_verdict(_run(base), _run(now), threshold)
+    drift = _floor(now["yard_costs"]) / _floor(base["yard_costs"])
     detail = (f"relative to the yardstick x{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] (machine drift "
               f"x{drift:.3f}), {len(base['costs'])}/{len(now['costs'])} rounds, catches >= {v['detectable']:.1%} "
               f"slowdowns; fails above +{threshold:.0%} when clear")
-    return Row(scenario, f"{unit} (p{QUANTILE})", *summary.values(), detail, v["fail"])
+    return Row(scenario, f"{base.get('unit')} (p{QUANTILE})", *summary, detail, v["fail"])
 
 
 def report(rows: List[Row]) -> str:
