@@ -108,7 +108,7 @@ class ExpertStore:
         self._queued: List[QueuedCheck] = []
         self._queue_into: Optional[list] = None
         #: Whether every expert of every layer is resident in a pool with a slot for each: then no forward can
-        #: miss (``_counted_later``). Set when loads fill the last slot; a pool with an identity slot never evicts.
+        #: miss (``_count_later``). Set when loads fill the last slot; a pool with a slot per expert never evicts.
         self.complete = False
         #: Forwards of a complete pool not yet counted, each its routes by layer (``_count_later``).
         self._uncounted: List[List[tuple]] = []
@@ -261,10 +261,11 @@ class ExpertStore:
 
     def _count_later(self, routes: List[tuple]) -> bool:
         """Where no forward can miss (``complete``), the miss check is not asked for at every layer, and
-        nothing but the hit counters watches routes (``_only_counted``), keep ``routes`` to be counted with others and return True; else False. Every
-        ``COUNT_EVERY`` forwards the ones before the newest are counted: a decode loop has read their tokens
-        back, so their routes are on the host's side already and counting them waits for nothing in flight
-        (one concatenation on the device would queue behind the step in flight and wait for it)."""
+        nothing but the hit counters watches routes (``_only_counted``), keep ``routes`` to be counted with
+        others and return True; else False. Every ``COUNT_EVERY`` forwards the ones before the newest are
+        counted: a decode loop has read their tokens back, so their routes are on the host's side already and
+        counting them waits for nothing in flight (one concatenation on the device would queue behind the step
+        in flight and wait for it)."""
         if not (self.complete and self.miss_check == "token" and self._only_counted()):
             return False
         self.counters.fastpath += len(routes)
