@@ -3,9 +3,10 @@ tokens from a fresh cache (the pool stays warm), run just after a yardstick roun
 mlx-lm's in-memory model (in the round's untimed setup). ``extra_info`` holds each round's token costs in the
 gate's unit (``perf_gate.cost_unit``: CPU seconds here, wall seconds on a GPU; a greedy round's tokens one by
 one, a speculative round's as one cost per token) and its yardstick round's, the wall seconds per token beside
-them, and the work counters of the first timed round (so they do not depend on the number of rounds). The two
-greedy scenarios that do the same work every run (full pool, 25% pool without prefetch) are also judged
-together (``combined``). The plugin's perf gate compares them with the baseline in ``baselines/`` under
+them, and the work counters of the first timed round (so they do not depend on the number of rounds). The
+full-pool scenario, compute alone, is also judged at the engine's threshold (``combined``); the scenarios that
+read from disk are not: on an unchanged tree the 25% pool's cost moved x1.148 against its baseline in one
+fresh-clone CI run (its yardstick x1.132), a false alarm at +7% when combined with the full pool. The plugin's perf gate compares them with the baseline in ``baselines/`` under
 ``--benchmark-compare``.
 
 Record a new baseline (single process):
@@ -111,7 +112,7 @@ def test_greedy_full_pool(benchmark, yardstick, fresh_model, prompt_ids, perf):
 def test_greedy_quarter_pool_direct(benchmark, yardstick, fresh_model, prompt_ids, perf):
     sm = fresh_model("quarter")
     _rounds(benchmark, _greedy(sm.model, prompt_ids[0], perf), yardstick, perf, sm.store, EXACT_WITHOUT_PREFETCH,
-            perf_gate.DISK_THRESHOLD, combined=True)
+            perf_gate.DISK_THRESHOLD)
 
 
 def test_greedy_quarter_pool_prefetch(benchmark, yardstick, fresh_model, prompt_ids, perf):

@@ -165,8 +165,8 @@ def test_the_power_study_simulation_counts_failing_gate_runs():
     base = {"a": (_rounds(0.1, 0.03, seed=80), _rounds(0.1, 0.03, seed=81))}
     same = {"a": (_rounds(0.1, 0.03, seed=82), _rounds(0.1, 0.03, seed=83))}
     slow = {"a": (_rounds(0.13, 0.03, seed=84), _rounds(0.1, 0.03, seed=85))}
-    assert gate_power.simulate(base, slow, 20, 30, {"a": 0.05}) == (1.0, {"a": 1.0, "combined": 1.0})
-    rate, _ = gate_power.simulate(base, same, 20, 30, {"a": 0.05})
+    assert gate_power.simulate(base, slow, 20, 30, {"a": 0.05}, combined=("a",)) == (1.0, {"a": 1.0, "combined": 1.0})
+    rate, _ = gate_power.simulate(base, same, 20, 30, {"a": 0.05}, combined=("a",))
     assert rate < 0.2
 
 

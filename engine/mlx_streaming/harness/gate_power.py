@@ -9,8 +9,8 @@ busy) an unchanged pool and one pool per planted slowdown (``fraction`` x the sc
 token, CPU time of the decoding thread burnt at the start of every forward: one forward per greedy token). Gate
 runs are then simulated: each draws ``rounds`` pairs with replacement from the baseline pool and from the
 condition's pool, per scenario, and applies the gate's rules: ``perf_gate.slowdown_verdict`` per scenario at its
-threshold in the perf suite (``THRESHOLDS``), and ``perf_gate.combined_verdict`` on both together (they are the
-suite's ``combined`` scenarios); a run fails when any of the three fails. The failing share is the catch rate (for an unchanged pool, the false-alarm
+threshold in the perf suite (``THRESHOLDS``), and ``perf_gate.combined_verdict`` on the suite's ``combined``
+scenarios (``COMBINED_SCENARIOS``); a run fails when any of the three fails. The failing share is the catch rate (for an unchanged pool, the false-alarm
 rate). ``replay`` simulates recorded pools again (``bench --gate-power --json FILE`` keeps them) under the
 current rule, without measuring anew.
 """
@@ -31,6 +31,8 @@ from ..generate import greedy_generate, greedy_steps
 FRACTIONS = (0.05, 0.10, 0.20)
 SCENARIOS = ("full pool", "25% pool, O_DIRECT")
 COMBINED = "combined"
+#: The scenarios the suite's combined row judges (``combined`` in ``perf/test_perf.py``).
+COMBINED_SCENARIOS = ("full pool",)
 #: Each scenario's threshold, as the perf suite judges its twin (``perf/test_perf.py``).
 THRESHOLDS = dict(zip(SCENARIOS, (perf_gate.DEFAULT_THRESHOLD, perf_gate.DISK_THRESHOLD)))
 
@@ -63,7 +65,8 @@ def _record(models: Dict, reference, prompt, tokens: int, n: int, plants: Dict[s
 
 
 def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: int, runs: int,
-             thresholds: Dict[str, float], seed: int = 0) -> Tuple[float, Dict[str, float]]:
+             thresholds: Dict[str, float], seed: int = 0,
+             combined: Tuple[str, ...] = COMBINED_SCENARIOS) -> Tuple[float, Dict[str, float]]:
     """The share of ``runs`` simulated gate runs that fail (any scenario or the combined row failing), and each
     check's own failing share (per scenario, and ``COMBINED``). Each run draws ``rounds`` round pairs with
     replacement from each pool."""
@@ -78,7 +81,7 @@ def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: int,
                 drawn[scenario].append((perf_gate.as_rounds(costs)[picks], perf_gate.as_rounds(yard)[picks]))
         verdicts = {scenario: perf_gate.slowdown_verdict(*pair, thresholds[scenario], seed=run)["fail"]
                     for scenario, pair in drawn.items()}
-        verdicts[COMBINED] = perf_gate.combined_verdict(list(drawn.values()), perf_gate.COMBINED_THRESHOLD,
+        verdicts[COMBINED] = perf_gate.combined_verdict([drawn[s] for s in combined], perf_gate.COMBINED_THRESHOLD,
                                                         seed=run)["fail"]
         for check, failed in verdicts.items():
             by_check[check] += failed
