@@ -241,8 +241,7 @@ class ExpertStore:
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()  # the miss check: one lookup of every route in the slot table
-        sizes = [indices.size for _, indices in routes]
-        keys = np.repeat([self._key_base[layer] for layer, _ in routes], sizes) + hosted
+        keys = self._route_keys(routes, hosted)
         if not (self._slot_table.reshape(-1)[keys] >= 0).all():
             self.counters.route_s += time.perf_counter() - start
             self.counters.deferred_retries += 1
@@ -250,10 +249,11 @@ class ExpertStore:
             return False
         if self._only_counted():
             self.counters.fastpath += len(routes)
-            self.counters.hits += len(set(keys.tolist()))  # each layer's distinct experts
+            self._count_hits(keys)
             self.counters.route_s += time.perf_counter() - start
             return True
         self.counters.route_s += time.perf_counter() - start
+        sizes = [indices.size for _, indices in routes]
         for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1])):
             self.acquire(layer, self.route(layer, routed.reshape(indices.shape)))
             self.layer_done(layer)
@@ -292,12 +292,22 @@ class ExpertStore:
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()
-        # one key per (forward, layer, expert): the table's flat key, offset by the forward's position
-        bases = [n * self._slot_table.size + self._key_base[layer] for n, forward in enumerate(forwards)
-                 for layer, _ in forward]
-        keys = np.repeat(bases, [indices.size for _, indices in routes]) + hosted
-        self.counters.hits += len(set(keys.tolist()))
+        offsets = [n * self._slot_table.size for n, forward in enumerate(forwards) for _ in forward]
+        self._count_hits(self._route_keys(routes, hosted, offsets))
         self.counters.route_s += time.perf_counter() - start
+
+    def _route_keys(self, routes: List[tuple], hosted: np.ndarray, offsets: Optional[List[int]] = None) -> np.ndarray:
+        """One key per routed expert of ``routes`` (``hosted``: their expert ids, concatenated on the host): its
+        (layer, expert)'s flat index in the slot table, plus its forward's offset (``offsets``, one per route)
+        where several forwards are counted together, so that each forward's experts stay apart."""
+        bases = np.array([self._key_base[layer] for layer, _ in routes])
+        if offsets is not None:
+            bases = bases + np.array(offsets)
+        return np.repeat(bases, [indices.size for _, indices in routes]) + hosted
+
+    def _count_hits(self, keys: np.ndarray) -> None:
+        """A hit per distinct key: each layer's distinct experts, per forward (as ``acquire`` counts them)."""
+        self.counters.hits += len(set(keys.tolist()))
 
     def _only_counted(self) -> bool:
         """Whether a forward whose routed experts were all resident changes nothing but the hit counters: a pool
