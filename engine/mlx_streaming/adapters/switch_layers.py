@@ -187,7 +187,7 @@ def run_forward(store, signature: inspect.Signature, call: Callable, module: nn.
         inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
         tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
         store.forward_starts(tokens)
-        saved = snapshot_caches(cache)
+        saved = [] if store.counts_later else snapshot_caches(cache)  # nothing to restore: it never runs again
         if saved is None or not store.begin_forward(tokens):
             return call(module, *args, **kwargs)
         out = call(module, *args, **kwargs)

@@ -259,14 +259,19 @@ class ExpertStore:
             self.layer_done(layer)
         return True
 
+    @property
+    def counts_later(self) -> bool:
+        """Whether forwards are kept to be counted later (``_count_later``): the pool is complete, the miss check
+        is per token and nothing but the hit counters watches routes. Such a forward never runs again."""
+        return self.complete and self.miss_check == "token" and self._only_counted()
+
     def _count_later(self, routes: List[tuple]) -> bool:
-        """Where no forward can miss (``complete``), the miss check is not asked for at every layer, and
-        nothing but the hit counters watches routes (``_only_counted``), keep ``routes`` to be counted with
-        others and return True; else False. Every ``COUNT_EVERY`` forwards the ones before the newest are
+        """Where ``counts_later`` (no forward can miss), keep ``routes`` to be counted with others and return
+        True; else False. Every ``COUNT_EVERY`` forwards the ones before the newest are
         counted: a decode loop has read their tokens back, so their routes are on the host's side already and
         counting them waits for nothing in flight (one concatenation on the device would queue behind the step
         in flight and wait for it)."""
-        if not (self.complete and self.miss_check == "token" and self._only_counted()):
+        if not self.counts_later:
             return False
         self.counters.fastpath += len(routes)
         self._uncounted.append(routes)
