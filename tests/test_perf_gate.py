@@ -102,29 +102,21 @@ def _token_rounds(cost, cv, seed, n=20, tokens=10):
     return (cost * (1 + cv * np.random.default_rng(seed).standard_normal((n, tokens)))).tolist()
 
 
-def _combined(slowdown, seed, combined=True):
+def _scenario(slowdown, seed, threshold):
     info = _info(_token_rounds(0.1 * slowdown, 0.05, seed), _token_rounds(0.1, 0.05, seed + 1))
-    return {**info, "combined": combined, "threshold": perf_gate.DEFAULT_THRESHOLD}
+    return {**info, "threshold": threshold}
 
 
-def test_the_combined_row_catches_what_each_scenario_alone_tolerates():
-    """+10% in both scenarios: under each one's +15%, over the combined +7% and clear."""
-    base = {"a": _combined(1.0, 10), "b": _combined(1.0, 20)}
-    rows = perf_gate.check({"a": _combined(1.1, 30), "b": _combined(1.1, 40)}, base, True)
-    assert [r.scenario for r in rows if r.fail] == ["engine (combined)"]
-    (row,) = [r for r in rows if r.scenario == "engine (combined)"]
-    assert row.detail.startswith("a, b: x1.1") and "fails above +7% when clear" in row.detail
-    assert not any(r.fail for r in perf_gate.check({"a": _combined(1.0, 50), "b": _combined(1.0, 60)}, base, True))
+def test_each_scenario_is_judged_at_the_threshold_of_its_kind():
+    """+10% fails the compute scenario (+5%) and passes one that reads from disk (+30%); +40% fails both."""
+    kinds = {"compute": perf_gate.COMPUTE_THRESHOLD, "disk": perf_gate.DISK_THRESHOLD}
+    base = {name: _scenario(1.0, 10 * n, t) for n, (name, t) in enumerate(kinds.items())}
 
+    def failing(slowdown):
+        now = {name: _scenario(slowdown, 30 + 10 * n, t) for n, (name, t) in enumerate(kinds.items())}
+        return [r.scenario for r in perf_gate.check(now, base, True) if r.fail]
 
-def test_only_scenarios_marked_combined_are_combined():
-    base = {"a": _combined(1.0, 10), "b": _combined(1.0, 20)}
-    rows = perf_gate.check({"a": _combined(1.1, 30), "b": _combined(1.3, 40, combined=False)}, base, True)
-    (row,) = [r for r in rows if r.scenario == "engine (combined)"]
-    assert row.detail.startswith("a: x1.1")
-    assert [r.scenario for r in rows if r.fail] == ["b", "engine (combined)"]
-    unmarked = {name: {**info, "combined": False} for name, info in base.items()}
-    assert all(r.scenario != "engine (combined)" for r in perf_gate.check(unmarked, base, True))
+    assert failing(1.0) == [] and failing(1.1) == ["compute"] and failing(1.4) == ["compute", "disk"]
 
 
 def test_the_cost_is_a_low_percentile_of_every_token_over_the_yardstick_tokens():
@@ -165,8 +157,8 @@ def test_the_power_study_simulation_counts_failing_gate_runs():
     base = {"a": (_rounds(0.1, 0.03, seed=80), _rounds(0.1, 0.03, seed=81))}
     same = {"a": (_rounds(0.1, 0.03, seed=82), _rounds(0.1, 0.03, seed=83))}
     slow = {"a": (_rounds(0.13, 0.03, seed=84), _rounds(0.1, 0.03, seed=85))}
-    assert gate_power.simulate(base, slow, 20, 30, {"a": 0.05}, combined=("a",)) == (1.0, {"a": 1.0, "combined": 1.0})
-    rate, _ = gate_power.simulate(base, same, 20, 30, {"a": 0.05}, combined=("a",))
+    assert gate_power.simulate(base, slow, {"a": 20}, 30, {"a": 0.05}) == (1.0, {"a": 1.0})
+    rate, _ = gate_power.simulate(base, same, {"a": 20}, 30, {"a": 0.05})
     assert rate < 0.2
 
 
@@ -198,7 +190,7 @@ def _run_perf(root, storage, *extra, plant=0.0):
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "perf", "-p", "no:xdist", "-q",
          "perf/test_perf.py::test_greedy_quarter_pool_direct",
-         "--streaming-perf-tokens", "4", "--streaming-perf-rounds", "5",
+         "--streaming-perf-tokens", "4", "--streaming-perf-disk-rounds", "5",
          f"--benchmark-storage=file://{storage}", *extra],
         capture_output=True, text=True, timeout=600, cwd=root,
         # inside an xdist worker: pytest-benchmark would see the worker's variables and disable itself

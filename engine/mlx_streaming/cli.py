@@ -124,10 +124,11 @@ def _recorded_pools(path: str) -> dict:
         raise ConfigError(f"--gate-power-replay {path}: cannot read it ({exc.strerror})") from None
     except ValueError as exc:
         raise ConfigError(f"--gate-power-replay {path}: not valid JSON ({exc})") from None
-    missing = [key for key in ("baseline", "pools", "pool_rounds", "tokens", "unit", "cost_per_token")
+    missing = [key for key in ("baseline", "pools", "tokens", "unit", "cost_per_token")
                if not isinstance(recorded, dict) or key not in recorded]
     if missing:
-        raise ConfigError(f"--gate-power-replay {path}: not a `bench --gate-power --json` file (no {', '.join(missing)})")
+        raise ConfigError(f"--gate-power-replay {path}: not a `bench --gate-power --json` file "
+                          f"(no {', '.join(missing)})")
     return recorded
 
 

@@ -25,15 +25,20 @@ TEST_PROMPTS = (
 
 
 def pytest_addoption(parser):
+    from . import perf_gate
+
     group = parser.getgroup("mlx-streaming")
     group.addoption("--streaming-model", default=None, help="model folder (default: the embedded trained model)")
     group.addoption("--streaming-mtp", default=None, help="MTP weights file (default: the model folder's mtp.safetensors)")
     group.addoption("--streaming-pool-slots", type=int, default=None, help="expert slots per layer for the streaming model (default: every expert)")
     group.addoption("--streaming-io-mode", default="buffered", choices=("buffered", "direct"), help="how the streaming model reads experts")
-    group.addoption("--streaming-perf-tokens", type=int, default=12, help="tokens per timed perf round (default 12)")
-    group.addoption("--streaming-perf-rounds", type=int, default=20,
-                    help="timed rounds per perf scenario, each after its yardstick round (default 20: the power "
-                         "study's, see the README)")
+    group.addoption("--streaming-perf-tokens", type=int, default=16, help="tokens per timed perf round (default 16)")
+    group.addoption("--streaming-perf-rounds", type=int, default=perf_gate.COMPUTE_ROUNDS,
+                    help="timed rounds of the compute perf scenario (the full pool), each after its yardstick round "
+                         f"(default {perf_gate.COMPUTE_ROUNDS}, from the power study: see the README)")
+    group.addoption("--streaming-perf-disk-rounds", type=int, default=perf_gate.DISK_ROUNDS,
+                    help="timed rounds of each perf scenario that reads experts from disk "
+                         f"(default {perf_gate.DISK_ROUNDS})")
     group.addoption("--streaming-perf-threshold", type=float, default=None,
                     help="the slowdown the perf gate tolerates before failing, when it is also statistically clear "
                          "(default: each scenario's own, set from the power study: see the README)")
