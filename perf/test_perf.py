@@ -9,7 +9,7 @@ of it: ``--streaming-perf-rounds`` rounds judged at ``perf_gate.COMPUTE_THRESHOL
 disk run ``--streaming-perf-disk-rounds`` rounds judged at ``perf_gate.DISK_THRESHOLD``. The plugin's perf gate
 compares them with the baseline in ``baselines/`` under ``--benchmark-compare``.
 
-Record a new baseline (single process):
+Record a new baseline (single process; it runs ``perf_gate.BASELINE_ROUNDS_FACTOR`` times the rounds):
     pytest -m perf --benchmark-save=baseline
 """
 
@@ -32,9 +32,14 @@ EXACT_WITHOUT_PREFETCH = EXACT + ("demand_loads", "bytes_read", "read_calls", "v
 
 @pytest.fixture(scope="module")
 def perf(request):
+    """Tokens per round and rounds per kind of scenario; a run that records a baseline (pytest-benchmark's
+    ``--benchmark-save`` or ``--benchmark-autosave``) runs ``perf_gate.BASELINE_ROUNDS_FACTOR`` times the rounds."""
     option = request.config.getoption
-    return {"tokens": option("--streaming-perf-tokens"), "compute_rounds": option("--streaming-perf-rounds"),
-            "disk_rounds": option("--streaming-perf-disk-rounds")}
+    recording = option("benchmark_save") or option("benchmark_autosave")
+    factor = perf_gate.BASELINE_ROUNDS_FACTOR if recording else 1
+    return {"tokens": option("--streaming-perf-tokens"),
+            "compute_rounds": factor * option("--streaming-perf-rounds"),
+            "disk_rounds": factor * option("--streaming-perf-disk-rounds")}
 
 
 @pytest.fixture

@@ -157,9 +157,35 @@ def test_the_power_study_simulation_counts_failing_gate_runs():
     base = {"a": (_rounds(0.1, 0.03, seed=80), _rounds(0.1, 0.03, seed=81))}
     same = {"a": (_rounds(0.1, 0.03, seed=82), _rounds(0.1, 0.03, seed=83))}
     slow = {"a": (_rounds(0.13, 0.03, seed=84), _rounds(0.1, 0.03, seed=85))}
-    assert gate_power.simulate(base, slow, {"a": 20}, 30, {"a": 0.05}) == (1.0, {"a": 1.0})
-    rate, _ = gate_power.simulate(base, same, {"a": 20}, 30, {"a": 0.05})
-    assert rate < 0.2
+    for drawn in (20, None):  # a baseline drawn as a recording would be, or taken as it is, as a gate run takes it
+        assert gate_power.simulate(base, slow, {"a": (drawn, 20)}, 30, {"a": 0.05}) == (1.0, {"a": 1.0})
+        rate, _ = gate_power.simulate(base, same, {"a": (drawn, 20)}, 30, {"a": 0.05})
+        assert rate < 0.2
+
+
+def test_the_power_study_replays_against_a_baseline_the_suite_saved():
+    from mlx_streaming.harness import gate_power
+
+    def pool(median, seed):
+        return ([_rounds(median, 0.03, n=4, seed=seed + i) for i in range(30)],
+                [_rounds(0.1, 0.03, n=4, seed=seed + 50 + i) for i in range(30)])
+
+    recorded = {"unit": "cpu_s_per_token", "cost_per_token": {s: 0.1 for s in gate_power.SCENARIOS}, "tokens": 4,
+                "baseline": {s: pool(0.1, 0) for s in gate_power.SCENARIOS},
+                "pools": {"quiet +0%": {s: pool(0.1, 100) for s in gate_power.SCENARIOS},
+                          "quiet +50%": {s: pool(0.15, 200) for s in gate_power.SCENARIOS}}}
+    saved = {"benchmarks": [{"name": test, "extra_info": {"unit": "cpu_s_per_token", "costs": pool(0.1, 300)[0],
+                                                            "yard_costs": pool(0.1, 300)[1]}}
+                            for test in gate_power.SUITE_TESTS.values()]}
+    against = gate_power.suite_baseline(saved)
+    assert against["unit"] == "cpu_s_per_token" and set(against["pools"]) == set(gate_power.SCENARIOS)
+    report = gate_power.replay(recorded, runs=20, baseline=against["pools"])
+    assert [r["fail_rate"] for r in report["rows"]] == [0.0, 1.0]
+    assert "all 30 baseline rounds" in gate_power.table(report)
+    own = gate_power.replay(recorded, runs=20)  # the study's own pool: drawn as a recording, at most its size
+    assert all(own["rounds"][s][0] == min(gate_power.BASELINE_ROUNDS[s], 30) for s in gate_power.SCENARIOS)
+    with pytest.raises(ValueError, match="test_greedy_full_pool"):
+        gate_power.suite_baseline({"benchmarks": saved["benchmarks"][1:]})
 
 
 def test_machine_profile_ignores_what_does_not_matter():
@@ -208,6 +234,9 @@ def test_gate_fails_a_planted_slowdown_and_a_moved_counter_and_passes_otherwise(
     def engine_info(data):
         (bench,) = [b for b in data["benchmarks"] if b["name"] == "test_greedy_quarter_pool_direct"]
         return bench["extra_info"]
+
+    # a recorded baseline runs more rounds than a compared run: its noise is in every verdict
+    assert len(engine_info(json.loads(saved.read_text()))["costs"]) == perf_gate.BASELINE_ROUNDS_FACTOR * 5
 
     cost = float(np.median(engine_info(json.loads(saved.read_text()))["costs"]))
     # about +200% per token in the engine's decode path (the yardstick rounds, mlx-lm's own model, are not slowed)

@@ -277,3 +277,27 @@ def test_gate_power_replay_of_a_bad_file_says_which_and_why(tmp_path, content, n
         recorded.write_text(content)
     _one_line_error(_cli("bench", "--gate-power-replay", recorded), str(recorded), needle)
     assert content is None or recorded.read_text() == content  # the user's file is left as it was
+
+
+@pytest.mark.parametrize("content,needle", [(None, "cannot read it"), ('{"benchmarks": []}', "not a perf suite baseline"),
+                                            ("unit", "its costs are in wall_s_per_token")])
+def test_gate_power_baseline_that_is_not_a_suite_baseline_says_which_and_why(tmp_path, content, needle):
+    from mlx_streaming.harness.gate_power import SUITE_TESTS
+
+    recorded = tmp_path / "pools.json"
+    recorded.write_text(json.dumps({"unit": "cpu_s_per_token", "cost_per_token": {}, "tokens": 4, "baseline": {},
+                                    "pools": {}}))
+    baseline = tmp_path / "0001_baseline.json"
+    if content == "unit":
+        content = json.dumps({"benchmarks": [{"name": t, "extra_info": {"unit": "wall_s_per_token", "costs": [[1.0]],
+                                                                         "yard_costs": [[1.0]]}}
+                                             for t in SUITE_TESTS.values()]})
+    if content is not None:
+        baseline.write_text(content)
+    done = _cli("bench", "--gate-power-replay", recorded, "--gate-power-baseline", baseline)
+    _one_line_error(done, str(baseline), needle)
+    assert content is None or baseline.read_text() == content  # the user's file is left as it was
+
+
+def test_gate_power_baseline_without_a_replay_says_so(tmp_path):
+    _one_line_error(_cli("bench", "--gate-power-baseline", tmp_path / "b.json"), "only with --gate-power-replay")

@@ -116,20 +116,39 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _json_file(option: str, path: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{option} {path}: not valid JSON ({exc})") from None
+
+
 def _recorded_pools(path: str) -> dict:
     """The pools a ``bench --gate-power --json FILE`` run recorded."""
-    try:
-        recorded = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"--gate-power-replay {path}: cannot read it ({exc.strerror})") from None
-    except ValueError as exc:
-        raise ConfigError(f"--gate-power-replay {path}: not valid JSON ({exc})") from None
+    recorded = _json_file("--gate-power-replay", path)
     missing = [key for key in ("baseline", "pools", "tokens", "unit", "cost_per_token")
                if not isinstance(recorded, dict) or key not in recorded]
     if missing:
         raise ConfigError(f"--gate-power-replay {path}: not a `bench --gate-power --json` file "
                           f"(no {', '.join(missing)})")
     return recorded
+
+
+def _suite_baseline(path: str, unit: str) -> dict:
+    """The power study's scenarios' rounds from a baseline the perf suite saved, in the recorded pools' unit."""
+    from .harness import gate_power
+
+    saved = _json_file("--gate-power-baseline", path)
+    try:
+        baseline = gate_power.suite_baseline(saved if isinstance(saved, dict) else {})
+    except ValueError as exc:
+        raise ConfigError(f"--gate-power-baseline {path}: not a perf suite baseline ({exc})") from None
+    if baseline["unit"] != unit:
+        raise ConfigError(f"--gate-power-baseline {path}: its costs are in {baseline['unit']}, the recorded pools' "
+                          f"in {unit}")
+    return baseline["pools"]
 
 
 def _write_json(path: str, result) -> None:
@@ -255,6 +274,8 @@ WITH_HEAD = ("bench", "evaluate", "plan", "serve")
 def cmd_bench(args) -> None:
     from .harness import bench
 
+    if args.gate_power_baseline and not args.gate_power_replay:
+        raise ConfigError(f"--gate-power-baseline {args.gate_power_baseline}: only with --gate-power-replay FILE")
     if args.processes:
         result = bench.noise_floor(_without(args.argv, ("--processes", "--json", "--dump-ids")), args.processes)
         print(json.dumps(result, indent=2))
@@ -275,7 +296,9 @@ def cmd_bench(args) -> None:
     elif args.gate_power_replay:
         from .harness import gate_power
 
-        result = gate_power.replay(_recorded_pools(args.gate_power_replay))
+        recorded = _recorded_pools(args.gate_power_replay)
+        against = args.gate_power_baseline and _suite_baseline(args.gate_power_baseline, recorded["unit"])
+        result = gate_power.replay(recorded, baseline=against or None)
         print(gate_power.table(result))
     elif args.k_report:
         result = bench.k_report(_model_dir(args), _config(args))
@@ -387,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dump-ids", metavar="FILE", help="write the greedy and speculative ids to this JSON file")
     g.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
     g.add_argument("--json", metavar="FILE", help="write the full result here")
-    modes = p.add_argument_group("reports (one at a time)").add_mutually_exclusive_group()
+    reports = p.add_argument_group("reports (one at a time)")
+    modes = reports.add_mutually_exclusive_group()
     modes.add_argument("--sweep", action="store_true",
                        help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
     modes.add_argument("--io", action="store_true",
@@ -410,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "--gate-power --json FILE run recorded (nothing measured)")
     modes.add_argument("--processes", type=int, metavar="N",
                        help="noise floor: run the default benchmark in N fresh processes, report the spread")
+    reports.add_argument("--gate-power-baseline", metavar="FILE",
+                         help="with --gate-power-replay: judge the recorded pools against this baseline the perf "
+                              "suite saved (baselines/<machine>/NNNN_baseline.json) instead of the study's own "
+                              "baseline pool")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("chat", help="chat interactively, answers streamed as they come, with mlx-lm's sampler",

@@ -4,14 +4,16 @@ tree, quiet and with two busy-loop processes beside it (``mlx-streaming bench --
 Two of the perf suite's scenarios, greedy at the full pool (preloaded: compute alone) and greedy at a 25% pool
 with O_DIRECT, are measured as the suite measures them: rounds of ``tokens`` tokens, each scenario round just
 after its own yardstick round (greedy on mlx-lm's in-memory model), each token's cost in the gate's unit. A pool
-of round pairs is recorded per scenario, as many as the suite runs (``ROUNDS``): a baseline pool on the quiet
-machine, then for each condition (quiet, busy) an unchanged pool and one pool per planted slowdown (``fraction``
+of round pairs is recorded per scenario, as many as the suite runs (``ROUNDS``; a baseline pool, as many as the
+suite records, ``BASELINE_ROUNDS``): the baseline pool on the quiet machine, then for each condition (quiet, busy) an unchanged pool and one pool per planted slowdown (``fraction``
 x the scenario's baseline cost per token, CPU time of the decoding thread burnt at the start of every forward:
 one forward per greedy token). Gate runs are then simulated: each draws as many round pairs with replacement from
-the baseline pool and from the condition's pool, per scenario, and applies ``perf_gate.slowdown_verdict`` at the
+the baseline pool and from the condition's pool as the suite records and compares, per scenario, and applies ``perf_gate.slowdown_verdict`` at the
 scenario's threshold in the suite (``THRESHOLDS``); a run fails when either scenario fails. The failing share is
 the catch rate (for an unchanged pool, the false-alarm rate). ``replay`` simulates recorded pools again (``bench
---gate-power --json FILE`` keeps them) under the current rule, without measuring anew.
+--gate-power --json FILE`` keeps them) under the current rule, without measuring anew, against their own baseline
+pool or against a baseline the suite recorded (``suite_baseline``): one recorded in another process at another
+time, as every real gate run's is.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -32,6 +34,9 @@ SCENARIOS = ("full pool", "25% pool, O_DIRECT")
 #: Each scenario's threshold and rounds, as the perf suite runs and judges its twin (``perf/test_perf.py``).
 THRESHOLDS = dict(zip(SCENARIOS, (perf_gate.COMPUTE_THRESHOLD, perf_gate.DISK_THRESHOLD)))
 ROUNDS = dict(zip(SCENARIOS, (perf_gate.COMPUTE_ROUNDS, perf_gate.DISK_ROUNDS)))
+BASELINE_ROUNDS = {scenario: perf_gate.BASELINE_ROUNDS_FACTOR * n for scenario, n in ROUNDS.items()}
+#: Each scenario's twin in the perf suite, by its test's name in a pytest-benchmark baseline.
+SUITE_TESTS = dict(zip(SCENARIOS, ("test_greedy_full_pool", "test_greedy_quarter_pool_direct")))
 
 
 def _say(text: str) -> None:
@@ -65,18 +70,20 @@ def _record(models: Dict, reference, prompt, tokens: int, rounds: Dict[str, int]
     return pairs
 
 
-def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: Dict[str, int], runs: int,
-             thresholds: Dict[str, float], seed: int = 0) -> Tuple[float, Dict[str, float]]:
+def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: Dict[str, Tuple[Optional[int], int]],
+             runs: int, thresholds: Dict[str, float], seed: int = 0) -> Tuple[float, Dict[str, float]]:
     """The share of ``runs`` simulated gate runs that fail (any scenario failing), and each scenario's own
-    failing share. Each run draws ``rounds[scenario]`` round pairs with replacement from each pool."""
+    failing share. Each run draws ``rounds[scenario]`` (baseline, current) round pairs with replacement from the
+    baseline pool and the current pool; a baseline count of None takes the baseline as it is, as a gate run
+    takes the baseline it is given."""
     rng = np.random.default_rng(seed)
     fails, by_check = 0, dict.fromkeys(baseline, 0)
     for run in range(runs):
         verdicts = {}
         for scenario in baseline:
             drawn = []
-            for costs, yard in (baseline[scenario], current[scenario]):
-                picks = rng.integers(0, len(costs), rounds[scenario])
+            for (costs, yard), n in zip((baseline[scenario], current[scenario]), rounds[scenario]):
+                picks = rng.integers(0, len(costs), n) if n else slice(None)
                 drawn.append((perf_gate.as_rounds(costs)[picks], perf_gate.as_rounds(yard)[picks]))
             verdicts[scenario] = perf_gate.slowdown_verdict(*drawn, thresholds[scenario], seed=run)["fail"]
         for check, failed in verdicts.items():
@@ -100,8 +107,8 @@ def study(model_dir: Path, config: StreamingConfig, tokens: int = 16, runs: int 
         prompt = next(iter(models.values())).tokenizer.encode(config.prompt)
         for model in [reference] + [sm.model for sm in models.values()]:
             greedy_generate(model, prompt, tokens)  # warm-up
-        _say(f"baseline pools, quiet: round pairs {sizes}")
-        baseline = _record(models, reference, prompt, tokens, ROUNDS, {}, unit)
+        _say("baseline pools, quiet: round pairs " + ", ".join(f"{s} {n}" for s, n in BASELINE_ROUNDS.items()))
+        baseline = _record(models, reference, prompt, tokens, BASELINE_ROUNDS, {}, unit)
         cost = {s: float(np.percentile(c, perf_gate.QUANTILE)) for s, (c, _) in baseline.items()}
         pools = {}
         for condition in ("quiet", "busy"):
@@ -122,21 +129,43 @@ def study(model_dir: Path, config: StreamingConfig, tokens: int = 16, runs: int 
     return replay(recorded, runs)
 
 
-def replay(recorded: Dict, runs: int = 300) -> Dict:
+def suite_baseline(saved: Dict) -> Dict[str, Tuple]:
+    """Each scenario's (costs, yardstick costs) rounds from a baseline the perf suite saved (pytest-benchmark's
+    JSON, ``baselines/<machine>/NNNN_baseline.json``), with their unit. Raises ``ValueError`` naming what is
+    missing."""
+    infos = {bench.get("name"): bench.get("extra_info", {}) for bench in saved.get("benchmarks", [])}
+    pools, units = {}, set()
+    for scenario, test in SUITE_TESTS.items():
+        info = infos.get(test, {})
+        if not (info.get("costs") and info.get("yard_costs")):
+            raise ValueError(f"no {test} rounds with their yardstick rounds")
+        pools[scenario] = (info["costs"], info["yard_costs"])
+        units.add(info.get("unit"))
+    return {"unit": units.pop() if len(units) == 1 else None, "pools": pools}
+
+
+def replay(recorded: Dict, runs: int = 300, baseline: Dict = None) -> Dict:
     """Simulated gate runs on recorded pools (a ``study``'s report, or its JSON) under the current rule: each
-    run draws as many round pairs per scenario as the suite runs (``ROUNDS``), whatever the pools' size."""
+    run draws as many round pairs per scenario as the suite compares (``ROUNDS``) from the condition's pool, and
+    as many as the suite records for a baseline (``BASELINE_ROUNDS``, at most the pool's size: drawing more than
+    a pool holds would shrink its noise) from the baseline pool. ``baseline``: a baseline the suite recorded
+    (``suite_baseline``), taken as it is, as a gate run takes it, instead of the recorded baseline pool."""
     rows = []
-    baseline = recorded["baseline"]
+    base = recorded["baseline"] if baseline is None else baseline
+    drawn = {s: (None if baseline is not None else min(BASELINE_ROUNDS[s], len(base[s][0])), ROUNDS[s])
+             for s in SCENARIOS}
     for name, current in recorded["pools"].items():
         condition, planted = name.split(" +")
-        rate, by_check = simulate(baseline, current, ROUNDS, runs, THRESHOLDS)
+        rate, by_check = simulate(base, current, drawn, runs, THRESHOLDS)
         measured = {s: float(perf_gate.relative_cost(*map(perf_gate.as_rounds, current[s]))
-                             / perf_gate.relative_cost(*map(perf_gate.as_rounds, baseline[s]))) for s in SCENARIOS}
+                             / perf_gate.relative_cost(*map(perf_gate.as_rounds, base[s]))) for s in SCENARIOS}
         rows.append({"condition": condition, "planted": float(planted.rstrip("%")) / 100, "fail_rate": rate,
                      "by_check": by_check, "measured_ratio": measured})
     keep = ("unit", "cost_per_token", "tokens", "baseline", "pools")
-    return {**{key: recorded[key] for key in keep}, "pool_rounds": {s: len(baseline[s][0]) for s in SCENARIOS},
-            "rounds": ROUNDS, "runs": runs, "thresholds": THRESHOLDS, "quantile": perf_gate.QUANTILE, "rows": rows}
+    return {**{key: recorded[key] for key in keep}, "pool_rounds": {s: len(base[s][0]) for s in SCENARIOS},
+            "rounds": drawn, "runs": runs, "thresholds": THRESHOLDS, "quantile": perf_gate.QUANTILE,
+            "against": "the study's baseline pool" if baseline is None else "a baseline the suite recorded",
+            "rows": rows}
 
 
 def table(report: Dict) -> str:
@@ -149,8 +178,12 @@ def table(report: Dict) -> str:
     headers = (["condition", "planted"] + [f"measured, {s}" for s in SCENARIOS] + [f"fails, {s}" for s in SCENARIOS]
                + ["gate fails"])
     costs = ", ".join(f"{s} {c * 1000:.1f} ms" for s, c in report["cost_per_token"].items())
-    per_scenario = "; ".join(f"{s}: {report['rounds'][s]} round pairs drawn from a pool of "
-                             f"{report['pool_rounds'][s]}, threshold +{report['thresholds'][s]:.0%}" for s in SCENARIOS)
+    def against(s):
+        drawn, pool = report["rounds"][s][0], report["pool_rounds"][s]
+        return f"all {pool} baseline rounds" if drawn is None else f"{drawn} drawn from a baseline pool of {pool}"
+
+    per_scenario = "; ".join(f"{s}: {report['rounds'][s][1]} round pairs against {against(s)}, threshold "
+                             f"+{report['thresholds'][s]:.0%}" for s in SCENARIOS)
     return (tabulate(body, headers=headers)
             + f"\nunit {report['unit']}, p{report['quantile']} of token costs quiet: {costs}; {report['runs']} "
-              f"simulated gate runs of {report['tokens']}-token rounds; {per_scenario}")
+              f"simulated gate runs of {report['tokens']}-token rounds against {report['against']}; {per_scenario}")
