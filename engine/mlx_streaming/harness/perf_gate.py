@@ -53,12 +53,12 @@ WORK_COUNTERS = {
 #: The slowdown the gate tolerates before failing (and only when it is also statistically clear), by kind of
 #: scenario, and the rounds each kind runs, both from the power study's pools (``gate_power``; the README gives
 #: its table and the whole gate runs that check it). The compute scenario (the full pool) is the gate's fine
-#: check of the engine's decode path: a planted 10% read x1.065-1.093 there, an unchanged tree x0.980-0.984,
-#: and 28 rounds of 14 timed tokens put the ratio's spread (bootstrap sd) near 1.3%, so +5% sits more than two
-#: spreads from both. The scenarios that read from disk move more between runs of an unchanged tree (the 25%
+#: check of the engine's decode path: in the power study a planted 10% read x1.082-1.094 there, an unchanged tree
+#: x0.996-1.002, and 28 rounds of 14 timed tokens against a baseline of 84 put the ratio's spread (bootstrap sd)
+#: at 0.7-1.2%, so +5% sits more than two spreads from both. The scenarios that read from disk move more between runs of an unchanged tree (the 25%
 #: pool read x1.148 against its baseline in one fresh-clone CI run, its yardstick x1.132) and are guarded finely
-#: by their exact counters; their cost catches a large regression at +30%, for which 6 rounds (a spread of
-#: 4-10%) suffice.
+#: by their exact counters; their cost catches a large regression at +30%, for which 6 rounds (against 18: a
+#: spread of 2-4%) suffice.
 COMPUTE_THRESHOLD = 0.05
 DISK_THRESHOLD = 0.30
 COMPUTE_ROUNDS = 28
