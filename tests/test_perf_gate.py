@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mlx_streaming.harness import perf_gate
+from mlx_streaming.harness import perf_gate, perf_rounds
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.generate import greedy_generate
 from mlx_streaming.model import build_streaming_model
@@ -42,7 +42,7 @@ def test_an_unchanged_run_passes():
 
 def test_a_clear_ten_percent_slowdown_fails_and_three_percent_does_not():
     (fail,) = _failed({"greedy": _info(_rounds(0.11, 0.03, seed=3), _rounds(0.1, 0.03, seed=53))})
-    assert fail[0] == "cpu_s_per_token (p25)" and fail[1].startswith("relative to the yardstick x1.")
+    assert fail[0] == "cpu_s_per_token (p25)" and fail[1].startswith("stored, relative to the yardstick x1.")
     assert _failed({"greedy": _info(_rounds(0.103, 0.03, seed=4), _rounds(0.1, 0.03, seed=54))}) == []
 
 
@@ -95,7 +95,7 @@ def test_a_machine_that_slowed_as_a_whole_passes_and_the_engine_slower_than_it_f
     assert "machine drift x1.3" in row.detail
     slower = {"greedy": _info(_rounds(0.133 * 1.1, 0.03, seed=30), _rounds(0.133, 0.03, seed=70))}
     (fail,) = _failed(slower)
-    assert fail[1].startswith("relative to the yardstick x1.")
+    assert fail[1].startswith("stored, relative to the yardstick x1.")
 
 
 def _token_rounds(cost, cv, seed, n=20, tokens=10):
@@ -128,8 +128,8 @@ def test_the_cost_is_a_low_percentile_of_every_token_over_the_yardstick_tokens()
 
 def test_token_costs_leave_out_the_prefill_step_and_the_last(monkeypatch):
     ticks = iter([0.0, 5.0, 6.0, 7.5, 8.0])  # start, then after each of 4 tokens
-    monkeypatch.setattr(perf_gate, "clock", lambda unit: lambda: next(ticks))
-    costs, wall = perf_gate.token_costs(iter(range(4)), "cpu_s_per_token")
+    monkeypatch.setattr(perf_rounds, "clock", lambda unit: lambda: next(ticks))
+    costs, wall = perf_rounds.token_costs(iter(range(4)), "cpu_s_per_token")
     assert costs == [1.0, 1.5] and wall > 0
 
 
@@ -200,10 +200,10 @@ def test_each_work_counter_has_its_one_definition(model_dir, prompt_ids, prefetc
     with build_streaming_model(model_dir, config) as sm:
         greedy_generate(sm.model, prompt_ids[0], 8)
         s, reads = sm.store.stats(), sm.store.reader.reads
-        c = perf_gate.work_counters(s, reads, 8)
+        c = perf_rounds.work_counters(s, reads, 8)
         moe_layer_calls = s["fastpath"] + s["fallback"]
     size = sm.store.index.expert_bytes
-    assert set(c) == set(perf_gate.WORK_COUNTERS)
+    assert set(c) == set(perf_rounds.WORK_COUNTERS)
     assert c["routed"] * 8 == s["hits"] + s["misses"] and c["experts_placed"] * 8 == s["misses"] > 0
     assert c["bytes_read"] * 8 == (s["demand_loads"] + s.get("prefetch_loads", 0)) * size
     assert c["verify_calls"] == c["experts_placed"]

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from . import perf_gate
+from . import perf_gate, perf_rounds
 from ..config import StreamingConfig
 from ..generate import greedy_generate, greedy_steps
 
@@ -54,7 +54,7 @@ def _record(models: Dict, reference, prompt, tokens: int, rounds: Dict[str, int]
     interleaved while each has rounds left."""
 
     def costs(model) -> list:
-        return perf_gate.token_costs(greedy_steps(model, prompt, tokens), unit)[0]
+        return perf_rounds.token_costs(greedy_steps(model, prompt, tokens), unit)[0]
 
     pairs = {scenario: ([], []) for scenario in models}
     for scenario, sm in models.items():
@@ -97,7 +97,7 @@ def study(model_dir: Path, config: StreamingConfig, tokens: int = 16, runs: int 
 
     from ..model import build_streaming_model
 
-    unit = perf_gate.cost_unit()
+    unit = perf_rounds.cost_unit()
     reference, _ = mlx_lm.load(str(model_dir))
     configs = dict(zip(SCENARIOS, (config.with_pool().replace(preload=True),
                                    config.with_pool(pool_fraction=0.25).replace(io_mode="direct"))))

@@ -16,11 +16,13 @@ neighbour, a slower state of the same CPU).
 
 The verdict, stated once here:
 
-- **Work counters** (``WORK_COUNTERS``, per generated token, one definition each) named in the scenario's
+- **Work counters** (``perf_rounds.WORK_COUNTERS``, per generated token, one definition each) named in the scenario's
   ``exact`` list must equal the baseline's exactly, on any machine: a new host sync per layer or an extra read
   per expert fails without a clock.
 - **Cost**: the ratio of relative costs (current / baseline) with a bootstrap interval (``RESAMPLES`` resamples
-  of each run's rounds, a round with its yardstick round). A scenario fails only when the slowdown is both
+  of each run's rounds, a round with its yardstick round), against the stored baseline's rounds where this
+  machine's profile is the one that recorded them, or against the base revision's rounds measured beside the
+  current tree's, alternating, on this machine (side by side, ``side_by_side``) where it is not. A scenario fails only when the slowdown is both
   statistically clear (the interval's lower bound, one-sided 95%, is above 1) and larger than its threshold:
   ``COMPUTE_THRESHOLD`` where the scenario is compute alone (the full pool: every forward the engine's decode
   path, nothing read), ``DISK_THRESHOLD`` where experts are read from disk. The report also gives the smallest
@@ -30,26 +32,11 @@ The verdict, stated once here:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional
+from typing import List, Mapping, Optional
 
 import numpy as np
 
-#: Work counters, each per generated token of a scenario's last round, each with one meaning.
-WORK_COUNTERS = {
-    "routed": "experts looked up at acquire (hits + misses), every MoE layer call of every forward",
-    "experts_placed": "experts written into the pool (misses), from a demand read or from prefetch staging",
-    "demand_loads": "experts read on the main thread at acquire",
-    "prefetch_loads": "expert reads the prefetcher's threads completed",
-    "bytes_read": "bytes read from disk, demand and prefetch",
-    "read_calls": "system reads issued by the reader (after merging adjacent ranges)",
-    "host_syncs": "the engine's waits for the device on the forward path (routes or predictions brought to "
-                  "the host, pool writes evaluated, the deferred check)",
-    "verify_calls": "experts checked by byte-truth verification",
-    "spec_steps": "speculative verify steps",
-    "accepted_drafts": "drafts accepted by speculative verification",
-}
 #: The slowdown the gate tolerates before failing (and only when it is also statistically clear), by kind of
 #: scenario, and the rounds each kind runs, both from the power study's pools (``gate_power``; the README gives
 #: its table and the whole gate runs that check it). The compute scenario (the full pool) is the gate's fine
@@ -75,49 +62,6 @@ BASELINE_ROUNDS_FACTOR = 3
 QUANTILE = 25
 RESAMPLES = 2000
 CONFIDENCE = 0.95
-
-
-def cost_unit() -> str:
-    """``cpu_s_per_token`` on MLX's CPU backend, ``wall_s_per_token`` on a GPU backend."""
-    import mlx.core as mx
-
-    return "cpu_s_per_token" if mx.default_device().type == mx.DeviceType.cpu else "wall_s_per_token"
-
-
-def clock(unit: str) -> Callable[[], float]:
-    return time.process_time if unit.startswith("cpu") else time.perf_counter
-
-
-def measured(run: Callable[[], object], tokens: int, unit: str) -> tuple:
-    """``run()``'s cost per token in ``unit``, its wall seconds per token, and what it returned."""
-    now = clock(unit)
-    c0, w0 = now(), time.perf_counter()
-    out = run()
-    return (now() - c0) / tokens, (time.perf_counter() - w0) / tokens, out
-
-
-def token_costs(steps: Iterable, unit: str) -> tuple:
-    """The cost in ``unit`` of each step of ``steps`` (an iterator that yields once per generated token) but the
-    first, which carries the prompt's prefill, and the last, which queues no next step (a decode loop one step
-    ahead computed it during the step before); and the wall seconds per token of them all."""
-    now = clock(unit)
-    marks, w0 = [now()], time.perf_counter()
-    for _ in steps:
-        marks.append(now())
-    return np.diff(marks)[1:-1].tolist(), (time.perf_counter() - w0) / (len(marks) - 1)
-
-
-def work_counters(stats: Mapping, reader_reads: int, tokens: int, spec: Optional[Mapping] = None) -> Dict[str, float]:
-    """``WORK_COUNTERS`` per generated token from the store's ``stats()``, the reader's read count and, for a
-    speculative run, its statistics."""
-    counts = {
-        "routed": stats["hits"] + stats["misses"], "experts_placed": stats["misses"],
-        "demand_loads": stats["demand_loads"], "prefetch_loads": stats.get("prefetch_loads", 0),
-        "bytes_read": stats["bytes_read"], "read_calls": reader_reads, "host_syncs": stats["host_syncs"],
-        "verify_calls": stats.get("verify_calls", 0),
-        "spec_steps": spec["steps"] if spec else 0, "accepted_drafts": spec["accepted_drafts"] if spec else 0,
-    }
-    return {name: value / tokens for name, value in counts.items()}
 
 
 def as_rounds(rounds) -> np.ndarray:
@@ -185,22 +129,29 @@ def machine_profile(machine_info: Mapping) -> dict:
     }
 
 
-def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], same_machine: bool,
+def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], stored_comparable: bool,
           threshold: Optional[float] = None) -> List[Row]:
-    """``{scenario: extra_info}`` now and recorded; one row per check made (and per check skipped, saying why).
-    Each scenario's cost is judged at the ``threshold`` its current run records (``COMPUTE_THRESHOLD`` where it
-    records none), or at ``threshold`` when given."""
+    """``{scenario: extra_info}`` now and stored; one row per check made (and per check skipped, saying why). Each
+    scenario's counters are judged against the stored baseline's; its cost against the base revision's rounds
+    measured beside it (``extra_info["base"]``, side by side) where it has them, else against the stored rounds
+    where ``stored_comparable`` (the same machine profile). The cost is judged at the ``threshold`` the current run
+    records (``COMPUTE_THRESHOLD`` where it records none), or at ``threshold`` when given."""
     rows = []
     for scenario, now in sorted(current.items()):
         base = baseline.get(scenario)
-        if base is None:
+        if base is None and "base" not in now:
             rows.append(Row(scenario, "-", "-", "-", "no baseline: not checked", False))
             continue
-        for name in base.get("exact", []):
+        for name in (base or {}).get("exact", []):
             b, c = base["counters"].get(name), now.get("counters", {}).get(name)
             rows.append(Row(scenario, f"{name}/token", b, c, "exact", b != c))
         judged_at = now.get("threshold", COMPUTE_THRESHOLD) if threshold is None else threshold
-        rows.append(_cost_row(scenario, base, now, same_machine, judged_at))
+        if "base" in now:
+            rows.append(_cost_row(scenario, {**now["base"], "unit": now.get("unit")}, now, None, judged_at,
+                                  "side by side"))
+        else:
+            why = None if stored_comparable else "another machine profile"
+            rows.append(_cost_row(scenario, base, now, why, judged_at, "stored"))
     return rows
 
 
@@ -208,21 +159,21 @@ def _run(info: Mapping) -> tuple:
     return info["costs"], info["yard_costs"]
 
 
-def _not_comparable(base: Mapping, now: Mapping, same_machine: bool) -> Optional[str]:
+def _not_comparable(base: Mapping, now: Mapping, why: Optional[str]) -> Optional[str]:
     """Why two runs' costs cannot be compared, or None."""
     if not all(info.get(key) for info in (base, now) for key in ("costs", "yard_costs")):
         return "no rounds with their yardstick rounds recorded"
     if base.get("unit") != now.get("unit"):
         return f"units differ ({base.get('unit')} vs {now.get('unit')})"
-    return None if same_machine else "another machine profile"
+    return why
 
 
 def _floor(rounds) -> float:
     return float(np.percentile(as_rounds(rounds), QUANTILE))
 
 
-def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, threshold: float) -> Row:
-    why = _not_comparable(base, now, same_machine)
+def _cost_row(scenario: str, base: Mapping, now: Mapping, why: Optional[str], threshold: float, against: str) -> Row:
+    why = _not_comparable(base, now, why)
     if why is not None and not (base.get("costs") and now.get("costs")):
         return Row(scenario, "cost", "-", "-", f"{why}: not compared", False)
     summary = round(_floor(base["costs"]), 5), round(_floor(now["costs"]), 5)
@@ -230,9 +181,9 @@ def _cost_row(scenario: str, base: Mapping, now: Mapping, same_machine: bool, th
         return Row(scenario, "cost", *summary, f"{why}: not compared", False)
     v = slowdown_verdict(_run(base), _run(now), threshold)
     drift = _floor(now["yard_costs"]) / _floor(base["yard_costs"])
-    detail = (f"relative to the yardstick x{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] (machine drift "
-              f"x{drift:.3f}), {len(base['costs'])}/{len(now['costs'])} rounds, catches >= {v['detectable']:.1%} "
-              f"slowdowns; fails above +{threshold:.0%} when clear")
+    detail = (f"{against}, relative to the yardstick x{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] (machine "
+              f"drift x{drift:.3f}), {len(base['costs'])}/{len(now['costs'])} rounds, catches >= "
+              f"{v['detectable']:.1%} slowdowns; fails above +{threshold:.0%} when clear")
     return Row(scenario, f"{base.get('unit')} (p{QUANTILE})", *summary, detail, v["fail"])
 
 

@@ -1,7 +1,12 @@
 """The mlx-streaming pytest plugin: options, markers and session fixtures.
 
-Fixtures build each model once per session (once per worker under pytest-xdist). Without ``--model`` the
-suite runs on the embedded default model (the small trained Qwen3-Next).
+Fixtures build each model once per session (once per worker under pytest-xdist). Without ``--streaming-model``
+the suite runs on the embedded default model (the small trained Qwen3-Next).
+
+The plugin is installed into every pytest run of the environment (the ``pytest11`` entry point), so it acts only
+on a run that asks for it: one that sets the ini option ``mlx_streaming = true`` (this project does) or gives a
+``--streaming-*`` option. Anywhere else it registers no marker, deselects nothing, refuses nothing and prints
+nothing.
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ TEST_PROMPTS = (
     "import numpy as np\n\nclass Matrix:",
     "Once upon a time, in a land far away,",
 )
+OPTION_PREFIX = "--streaming-"
 
 
 def pytest_addoption(parser):
     from . import perf_gate
 
+    parser.addini("mlx_streaming", type="bool", default=False,
+                  help="run the mlx-streaming suite's markers, perf gate and reports in this project")
     group = parser.getgroup("mlx-streaming")
     group.addoption("--streaming-model", default=None, help="model folder (default: the embedded trained model)")
     group.addoption("--streaming-mtp", default=None, help="MTP weights file (default: the model folder's mtp.safetensors)")
@@ -35,20 +43,39 @@ def pytest_addoption(parser):
     group.addoption("--streaming-perf-tokens", type=int, default=16, help="tokens per timed perf round (default 16)")
     group.addoption("--streaming-perf-rounds", type=int, default=perf_gate.COMPUTE_ROUNDS,
                     help="timed rounds of the compute perf scenario (the full pool), each after its yardstick round "
-                         f"(default {perf_gate.COMPUTE_ROUNDS}, from the power study: see the README)")
+                         f"(default {perf_gate.COMPUTE_ROUNDS}, from the power study: see docs/perf-gate.md)")
     group.addoption("--streaming-perf-disk-rounds", type=int, default=perf_gate.DISK_ROUNDS,
                     help="timed rounds of each perf scenario that reads experts from disk "
                          f"(default {perf_gate.DISK_ROUNDS})")
     group.addoption("--streaming-perf-threshold", type=float, default=None,
                     help="the slowdown the perf gate tolerates before failing, when it is also statistically clear "
-                         "(default: each scenario's own, set from the power study: see the README)")
+                         "(default: each scenario's own, set from the power study: see docs/perf-gate.md)")
+    group.addoption("--streaming-perf-base", default=None, metavar="REV",
+                    help="measure git revision REV's engine on this machine, round for round beside the current tree's, "
+                         "and judge speed against it (default: only where the stored baseline's machine profile "
+                         "differs from this machine's, against the baseline's own revision)")
+
+
+def _active(config) -> bool:
+    """Whether this run asked for the plugin: its ini option, or a ``--streaming-*`` option on the command line."""
+    return bool(config.getini("mlx_streaming")) or any(
+        arg.startswith(OPTION_PREFIX) for arg in config.invocation_params.args)
 
 
 def _perf_selected(config) -> bool:
-    return "perf" in (config.getoption("markexpr", "") or "")
+    """Whether the marker expression (``-m``, read by pytest's own parser) selects a test marked ``perf``."""
+    expression = config.getoption("markexpr", "") or ""
+    if not expression:
+        return False
+    from _pytest.mark.expression import Expression  # pytest's parser of -m; no public name for it
+
+    return Expression.compile(expression).evaluate(lambda name, **kwargs: name == "perf" and not kwargs)
 
 
 def pytest_configure(config):
+    config._mlx_streaming_active = _active(config)
+    if not config._mlx_streaming_active:
+        return
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if _perf_selected(config) and (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
@@ -58,9 +85,13 @@ def pytest_configure(config):
         )
 
 
+def _acting(config) -> bool:
+    return getattr(config, "_mlx_streaming_active", False)
+
+
 def pytest_collection_modifyitems(config, items):
     """``perf`` tests run only when asked for with ``-m perf``."""
-    if _perf_selected(config):
+    if not _acting(config) or _perf_selected(config):
         return
     kept = [item for item in items if item.get_closest_marker("perf") is None]
     if len(kept) != len(items):
@@ -69,13 +100,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    import mlx.core as mx
+    if _acting(config):
+        import mlx.core as mx
 
-    machine_info["mlx_version"] = mx.__version__
+        machine_info["mlx_version"] = mx.__version__
 
 
 def pytest_benchmark_compare_machine_info(config, benchmarksession, machine_info, compared_benchmark):
-    """pytest-benchmark hands the compared baseline run (its saved JSON) here: keep it for the gate."""
+    """pytest-benchmark hands the compared baseline run (its saved JSON) here, when the session starts: keep it
+    for the gate and for choosing its mode."""
     config._mlx_perf_baseline = (compared_benchmark, machine_info)
 
 
@@ -86,21 +119,50 @@ def pytest_benchmark_group_stats(config, benchmarks, group_by):
     yield
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus):
-    """The perf gate: with --benchmark-compare, each scenario's rounds and counters against the baseline's."""
+def _same_profile(config) -> bool:
     from . import perf_gate
 
-    baseline_run, machine_info = getattr(session.config, "_mlx_perf_baseline", (None, None))
-    current = getattr(session.config, "_mlx_perf_current", None)
-    if baseline_run is None or not current:
+    baseline_run, machine_info = config._mlx_perf_baseline
+    return perf_gate.machine_profile(machine_info) == perf_gate.machine_profile(baseline_run.get("machine_info", {}))
+
+
+def _side_by_side_base(config):
+    """(the revision the gate measures beside the current tree, why), or None: asked for with
+    ``--streaming-perf-base``, or the compared baseline's own revision where its machine profile is not this
+    machine's."""
+    asked = config.getoption("--streaming-perf-base")
+    if asked:
+        return asked, "asked for with --streaming-perf-base"
+    baseline_run, _ = getattr(config, "_mlx_perf_baseline", (None, None))
+    if baseline_run is None or _same_profile(config):
+        return None
+    commit = baseline_run.get("commit_info", {}).get("id")
+    return commit, "this machine's profile differs from the stored baseline's"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The perf gate: each scenario's counters against the stored baseline's, its cost against the stored rounds
+    (same machine profile) or against the base revision's rounds measured beside it (side by side)."""
+    from . import perf_gate
+
+    config = session.config
+    baseline_run, _ = getattr(config, "_mlx_perf_baseline", (None, None))
+    current = getattr(config, "_mlx_perf_current", None)
+    mode = getattr(config, "_mlx_perf_mode", None)
+    if not _acting(config) or not current or (baseline_run is None and mode is None):
         return
-    baseline = {b["fullname"]: b.get("extra_info", {}) for b in baseline_run["benchmarks"]}
-    same = perf_gate.machine_profile(machine_info) == perf_gate.machine_profile(baseline_run.get("machine_info", {}))
-    threshold = session.config.getoption("--streaming-perf-threshold")
-    rows = perf_gate.check(current, baseline, same, threshold)
-    recorded = f"the run of {baseline_run.get('datetime', '?')} (commit {baseline_run.get('commit_info', {}).get('id', '?')[:10]})"
-    session.config._mlx_perf_gate = (rows, same, recorded)
+    baseline = {b["fullname"]: b.get("extra_info", {}) for b in baseline_run["benchmarks"]} if baseline_run else {}
+    same = baseline_run is not None and _same_profile(config)
+    rows = perf_gate.check(current, baseline, same and mode is None, config.getoption("--streaming-perf-threshold"))
+    if baseline_run is not None:
+        recorded = (f"stored run of {baseline_run.get('datetime', '?')} "
+                    f"(commit {baseline_run.get('commit_info', {}).get('id', '?')[:10]})")
+    else:
+        recorded = "none stored (counters not judged)"
+    if mode is None:
+        mode = "stored: costs against the stored rounds" if same else "counters only: another machine profile"
+    config._mlx_perf_gate = (rows, recorded, mode)
     if any(row.fail for row in rows):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -156,6 +218,47 @@ def reference_model(model_dir):
 def prompt_ids(streaming_model):
     """Token ids of the standard test prompts."""
     return [streaming_model.tokenizer.encode(p) for p in TEST_PROMPTS]
+
+
+class PerfBase:
+    """The side-by-side gate's base engine for the perf scenarios, or nothing (stored mode, or a base that cannot
+    be measured: then ``why_not`` is the one line the gate reports and the costs are not compared)."""
+
+    def __init__(self, config, engine=None, why_not=None):
+        self.config, self.engine = config, engine
+        if why_not:
+            self.unavailable(why_not)
+
+    def unavailable(self, why: str) -> None:
+        self.engine = None
+        self.config._mlx_perf_mode = f"counters only: {why}"
+
+
+@pytest.fixture(scope="session")
+def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids):
+    """The base revision's engine beside the current tree (``side_by_side``), where the gate compares side by
+    side; it goes (worker stopped, exported tree removed) when the session ends, Ctrl-C included."""
+    from .side_by_side import BaseEngine, BaseUnavailable
+
+    config = request.config
+    chosen = _side_by_side_base(config)
+    if chosen is None:
+        yield PerfBase(config)
+        return
+    rev, why = chosen
+    if not rev:
+        yield PerfBase(config, why_not="the stored baseline names no commit to measure beside")
+        return
+    engine_config = {"io_mode": streaming_config.io_mode, "pool_slots": streaming_config.pool_slots}
+    try:
+        engine = BaseEngine(config.rootpath, rev, model_dir, mtp_path, prompt_ids[0],
+                            config.getoption("--streaming-perf-tokens"), engine_config)
+    except BaseUnavailable as exc:
+        yield PerfBase(config, why_not=str(exc))
+        return
+    config._mlx_perf_mode = f"side by side: base revision {rev} ({engine.commit[:10]}) on this machine, {why}"
+    with engine:
+        yield PerfBase(config, engine)
 
 
 #: Greedy steps the oracle takes for each of ``TEST_PROMPTS`` (the most any test compares).
@@ -250,6 +353,8 @@ def pytest_terminal_summary(terminalreporter):
     """The exactness table: every speculative-vs-greedy run the tests recorded (with ``record_property``
     under ``EXACTNESS_KEY``), how many were exact, and every divergence with its greedy top-2 gap. Reports
     carry the rows, so this works under pytest-xdist too."""
+    if not _acting(terminalreporter.config):
+        return
     rows = [
         value
         for reports in terminalreporter.stats.values()
@@ -279,9 +384,10 @@ def _report_perf_gate(terminalreporter) -> None:
         return
     from .perf_gate import report
 
-    rows, same, path = gate
+    rows, recorded, mode = gate
     terminalreporter.section("mlx-streaming perf gate")
-    terminalreporter.write_line(f"baseline: {path}; machine profile {'matches' if same else 'differs: costs not compared'}")
+    terminalreporter.write_line(f"mode: {mode}")
+    terminalreporter.write_line(f"baseline: {recorded}")
     failed = any(row.fail for row in rows)
     terminalreporter.write_line(report(rows), red=failed)
     terminalreporter.write_line("PERF GATE FAILED" if failed else "perf gate passed", red=failed, green=not failed)
