@@ -33,7 +33,8 @@ BASE = {"greedy": _info(_rounds(0.1, 0.03, seed=1), _rounds(0.1, 0.03, seed=51))
 
 
 def _failed(current, baseline=BASE, same=True, threshold=0.05):
-    return [(r.check, r.detail) for r in perf_gate.check(current, baseline, same, threshold) if r.fail]
+    why_not = None if same else "another machine profile"
+    return [(r.check, r.detail) for r in perf_gate.check(current, baseline, why_not, threshold) if r.fail]
 
 
 def test_an_unchanged_run_passes():
@@ -57,7 +58,7 @@ def test_spikes_above_the_floor_do_not_fail_an_unchanged_run():
 def test_a_slowdown_the_noise_cannot_show_passes_and_says_what_it_could_catch():
     noisy_base = {"greedy": _info(_rounds(0.1, 0.4, seed=6), _rounds(0.1, 0.03, seed=56))}
     current = _info(_rounds(0.11, 0.4, seed=7), _rounds(0.1, 0.03, seed=57))
-    (cost,) = [r for r in perf_gate.check({"greedy": current}, noisy_base, True, 0.05) if r.check.startswith("cpu")]
+    (cost,) = [r for r in perf_gate.check({"greedy": current}, noisy_base, None, 0.05) if r.check.startswith("cpu")]
     assert not cost.fail and "catches >= " in cost.detail
     verdict = perf_gate.slowdown_verdict((noisy_base["greedy"]["costs"], noisy_base["greedy"]["yard_costs"]),
                                          (current["costs"], current["yard_costs"]), 0.05)
@@ -78,10 +79,10 @@ def test_costs_are_compared_only_in_one_unit_on_one_machine_profile_and_with_yar
     slow = {"greedy": _info(_rounds(0.2, 0.03))}
     assert _failed(slow) != [] and _failed(slow, same=False) == []
     wall = {"greedy": _info(_rounds(0.2, 0.03), unit="wall_s_per_token")}
-    rows = perf_gate.check(wall, BASE, True, 0.05)
+    rows = perf_gate.check(wall, BASE, None, 0.05)
     assert not any(r.fail for r in rows) and any("units differ" in r.detail for r in rows)
     unpaired = {"greedy": {**slow["greedy"], "yard_costs": []}}  # a baseline of the earlier format has none
-    rows = perf_gate.check(unpaired, BASE, True, 0.05)
+    rows = perf_gate.check(unpaired, BASE, None, 0.05)
     assert not any(r.fail for r in rows) and any("not compared" in r.detail for r in rows)
 
 
@@ -91,7 +92,7 @@ def test_a_machine_that_slowed_as_a_whole_passes_and_the_engine_slower_than_it_f
     engine 10% slower than the yardstick's own drift still fails."""
     drifted = {"greedy": _info(_rounds(0.133, 0.03, seed=20), _rounds(0.133, 0.03, seed=60))}
     assert _failed(drifted) == []
-    (row,) = [r for r in perf_gate.check(drifted, BASE, True, 0.05) if r.check.startswith("cpu")]
+    (row,) = [r for r in perf_gate.check(drifted, BASE, None, 0.05) if r.check.startswith("cpu")]
     assert "machine drift x1.3" in row.detail
     slower = {"greedy": _info(_rounds(0.133 * 1.1, 0.03, seed=30), _rounds(0.133, 0.03, seed=70))}
     (fail,) = _failed(slower)
@@ -114,7 +115,7 @@ def test_each_scenario_is_judged_at_the_threshold_of_its_kind():
 
     def failing(slowdown):
         now = {name: _scenario(slowdown, 30 + 10 * n, t) for n, (name, t) in enumerate(kinds.items())}
-        return [r.scenario for r in perf_gate.check(now, base, True) if r.fail]
+        return [r.scenario for r in perf_gate.check(now, base) if r.fail]
 
     assert failing(1.0) == [] and failing(1.1) == ["compute"] and failing(1.4) == ["compute", "disk"]
 
@@ -147,7 +148,7 @@ def test_a_planted_slowdown_burns_its_seconds_on_the_decoding_thread(streaming_m
 
 
 def test_a_scenario_without_baseline_is_reported_not_failed():
-    (row,) = perf_gate.check({"new": _info([0.1] * 5)}, BASE, True, 0.05)
+    (row,) = perf_gate.check({"new": _info([0.1] * 5)}, BASE, None, 0.05)
     assert not row.fail and "no baseline" in row.detail
 
 
@@ -243,6 +244,17 @@ def test_gate_fails_a_planted_slowdown_and_a_moved_counter_and_passes_otherwise(
     slowed = _run_perf(root, tmp_path, "--benchmark-compare=0001", plant=2 * cost)
     assert slowed.returncode == 1, slowed.stdout
     assert "PERF GATE FAILED" in slowed.stdout and "relative to the yardstick" in slowed.stdout
+
+    # side by side: the base revision's engine (HEAD, exported and built apart) measured round for round beside
+    # the current tree; the plant slows only the current tree's engine
+    beside = _run_perf(root, tmp_path, "--benchmark-compare=0001", "--streaming-perf-base", "HEAD", plant=2 * cost)
+    assert beside.returncode == 1, beside.stdout
+    assert "mode: side by side: base revision HEAD" in beside.stdout and "side by side, relative to" in beside.stdout
+    # a base that cannot be measured: one line, and the counters judged alone
+    absent = _run_perf(root, tmp_path, "--benchmark-compare=0001", "--streaming-perf-base", "0" * 12)
+    assert absent.returncode == 0, absent.stdout
+    assert f"mode: counters only: base revision {'0' * 12} is not in the history" in absent.stdout
+    assert "host_syncs/token" in absent.stdout and "no base revision measured beside it: not compared" in absent.stdout
 
     data = json.loads(saved.read_text())
     engine_info(data)["counters"]["host_syncs"] -= 1.0  # the baseline synced less

@@ -129,12 +129,12 @@ def machine_profile(machine_info: Mapping) -> dict:
     }
 
 
-def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], stored_comparable: bool,
+def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], stored_why_not: Optional[str] = None,
           threshold: Optional[float] = None) -> List[Row]:
     """``{scenario: extra_info}`` now and stored; one row per check made (and per check skipped, saying why). Each
     scenario's counters are judged against the stored baseline's; its cost against the base revision's rounds
     measured beside it (``extra_info["base"]``, side by side) where it has them, else against the stored rounds
-    where ``stored_comparable`` (the same machine profile). The cost is judged at the ``threshold`` the current run
+    unless ``stored_why_not`` says why they cannot be (another machine profile). The cost is judged at the ``threshold`` the current run
     records (``COMPUTE_THRESHOLD`` where it records none), or at ``threshold`` when given."""
     rows = []
     for scenario, now in sorted(current.items()):
@@ -150,8 +150,7 @@ def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], store
             rows.append(_cost_row(scenario, {**now["base"], "unit": now.get("unit")}, now, None, judged_at,
                                   "side by side"))
         else:
-            why = None if stored_comparable else "another machine profile"
-            rows.append(_cost_row(scenario, base, now, why, judged_at, "stored"))
+            rows.append(_cost_row(scenario, base, now, stored_why_not, judged_at, "stored"))
     return rows
 
 

@@ -154,7 +154,11 @@ def pytest_sessionfinish(session, exitstatus):
         return
     baseline = {b["fullname"]: b.get("extra_info", {}) for b in baseline_run["benchmarks"]} if baseline_run else {}
     same = baseline_run is not None and _same_profile(config)
-    rows = perf_gate.check(current, baseline, same and mode is None, config.getoption("--streaming-perf-threshold"))
+    if mode is not None:
+        why_not = "no base revision measured beside it"
+    else:
+        why_not = None if same else "another machine profile"
+    rows = perf_gate.check(current, baseline, why_not, config.getoption("--streaming-perf-threshold"))
     if baseline_run is not None:
         recorded = (f"stored run of {baseline_run.get('datetime', '?')} "
                     f"(commit {baseline_run.get('commit_info', {}).get('id', '?')[:10]})")
