@@ -189,6 +189,26 @@ def test_the_power_study_replays_against_a_baseline_the_suite_saved():
         gate_power.suite_baseline({"benchmarks": saved["benchmarks"][1:]})
 
 
+def test_the_side_by_side_power_study_draws_each_pool_against_the_base_recorded_beside_it():
+    from mlx_streaming.harness import gate_power
+
+    def pool(median, seed, n=30):
+        return ([_rounds(median, 0.03, n=4, seed=seed + i) for i in range(n)],
+                [_rounds(0.1, 0.03, n=4, seed=seed + 50 + i) for i in range(n)])
+
+    recorded = {"unit": "cpu_s_per_token", "cost_per_token": {s: 0.1 for s in gate_power.SCENARIOS}, "tokens": 4,
+                "base_revision": "f" * 40,
+                "pools": {"busy +0%": {s: pool(0.2, 100) for s in gate_power.SCENARIOS},
+                          "busy +50%": {s: pool(0.15, 200) for s in gate_power.SCENARIOS}},
+                # the busy +0% pool's base ran as slow as it did (a slow phase): side by side, no alarm
+                "bases": {"busy +0%": {s: pool(0.2, 300) for s in gate_power.SCENARIOS},
+                          "busy +50%": {s: pool(0.1, 400) for s in gate_power.SCENARIOS}}}
+    report = gate_power.replay(recorded, runs=20)
+    assert [r["fail_rate"] for r in report["rows"]] == [0.0, 1.0]
+    assert report["rounds"] == {s: (gate_power.ROUNDS[s],) * 2 for s in gate_power.SCENARIOS}
+    assert "side by side" in gate_power.table(report)
+
+
 def test_machine_profile_ignores_what_does_not_matter():
     a = {"cpu": {"brand_raw": "X", "count": 2}, "system": "Linux", "mlx_version": "0.32.4", "node": "host-a"}
     assert perf_gate.machine_profile(a) == perf_gate.machine_profile({**a, "node": "host-b"})

@@ -129,6 +129,78 @@ def study(model_dir: Path, config: StreamingConfig, tokens: int = 16, runs: int 
     return replay(recorded, runs)
 
 
+#: The side-by-side study's planted slowdowns (what its verdict needs: no false alarm, 10% and 20% caught).
+SIDE_BY_SIDE_FRACTIONS = (0.10, 0.20)
+
+
+def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingConfig, tokens: int = 16,
+                       runs: int = 300) -> Dict:
+    """The power study of the side-by-side gate, measured as the gate measures: base revision ``rev``'s engine in
+    its worker (``side_by_side.BaseEngine``), the current tree's in this process, each round after its own
+    yardstick round, base and current alternating round by round. Per condition (quiet, busy) and per planted
+    fraction (0 and ``SIDE_BY_SIDE_FRACTIONS`` of the scenario's cost per token, burnt only in the current tree's
+    engine), a pool of ``ROUNDS`` base rounds and as many current rounds, recorded interleaved; the simulated gate
+    runs then draw ``ROUNDS`` of each from them (``replay``)."""
+    import mlx_lm
+
+    from .side_by_side import BaseEngine
+
+    unit = perf_rounds.cost_unit()
+    reference, _ = mlx_lm.load(str(model_dir))
+    mtp_path = Path(model_dir) / "mtp.safetensors"
+    engine_config = {"io_mode": config.io_mode, "pool_slots": config.pool_slots}
+    plan = dict(zip(SCENARIOS, ("greedy_full_pool", "greedy_quarter_pool_direct")))
+    fractions = (0.0,) + SIDE_BY_SIDE_FRACTIONS
+    pools = {f"{c} +{f:.0%}": {} for c in ("quiet", "busy") for f in fractions}
+    bases = {name: {} for name in pools}
+    cost = {}
+    with BaseEngine(repo, rev, model_dir, mtp_path, _prompt(model_dir, config), tokens, engine_config) as base:
+        prompt = _prompt(model_dir, config)
+        yardstick = perf_rounds.greedy_round(reference, prompt, tokens)
+        for scenario, name in plan.items():
+            definition = perf_rounds.SCENARIOS[name]
+            sm = perf_rounds.build(model_dir, mtp_path, config, definition)
+            try:
+                rounds = perf_rounds.Rounds(sm, perf_rounds.scenario_round(sm, definition, prompt, tokens),
+                                            yardstick, tokens)
+                base.scenario(name)
+                rounds.warm_up()
+                cost[scenario] = float(np.percentile([rounds.timed(False)["costs"] for _ in range(3)],
+                                                     perf_gate.QUANTILE))
+                for condition in ("quiet", "busy"):
+                    neighbours = _busy_neighbours(2) if condition == "busy" else []
+                    try:
+                        _say(f"{scenario}, {condition}: {ROUNDS[scenario]} rounds of base and current per "
+                             f"planted fraction {', '.join(f'+{f:.0%}' for f in fractions)}, alternating")
+                        for _ in range(ROUNDS[scenario]):
+                            for fraction in fractions:
+                                key = f"{condition} +{fraction:.0%}"
+                                b = base.round()
+                                sm.store.plant_s = fraction * cost[scenario]
+                                yard = rounds.yard()
+                                now = rounds.timed(False)["costs"]
+                                sm.store.plant_s = 0.0
+                                for into, pair in ((bases, (b["costs"], b["yard_costs"])), (pools, (now, yard))):
+                                    costs, yards = into[key].setdefault(scenario, ([], []))
+                                    costs.append(pair[0])
+                                    yards.append(pair[1])
+                    finally:
+                        for p in neighbours:
+                            p.kill()
+            finally:
+                sm.close()
+        commit = base.commit
+    recorded = {"unit": unit, "cost_per_token": cost, "tokens": tokens, "pools": pools, "bases": bases,
+                "base_revision": commit}
+    return replay(recorded, runs)
+
+
+def _prompt(model_dir: Path, config: StreamingConfig) -> list:
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(Path(model_dir)).encode(config.prompt)
+
+
 def suite_baseline(saved: Dict) -> Dict[str, Tuple]:
     """Each scenario's (costs, yardstick costs) rounds from a baseline the perf suite saved (pytest-benchmark's
     JSON, ``baselines/<machine>/NNNN_baseline.json``), with their unit. Raises ``ValueError`` naming what is
@@ -145,27 +217,37 @@ def suite_baseline(saved: Dict) -> Dict[str, Tuple]:
 
 
 def replay(recorded: Dict, runs: int = 300, baseline: Dict = None) -> Dict:
-    """Simulated gate runs on recorded pools (a ``study``'s report, or its JSON) under the current rule: each
-    run draws as many round pairs per scenario as the suite compares (``ROUNDS``) from the condition's pool, and
-    as many as the suite records for a baseline (``BASELINE_ROUNDS``, at most the pool's size: drawing more than
-    a pool holds would shrink its noise) from the baseline pool. ``baseline``: a baseline the suite recorded
-    (``suite_baseline``), taken as it is, as a gate run takes it, instead of the recorded baseline pool."""
+    """Simulated gate runs on recorded pools (a study's report, or its JSON) under the current rule: each run
+    draws as many round pairs per scenario as the suite compares (``ROUNDS``) from the condition's pool, and from
+    the baseline pool as many as the suite records for a baseline (``BASELINE_ROUNDS``, at most the pool's size:
+    drawing more than a pool holds would shrink its noise). A side-by-side study's pools each come with the base
+    pool recorded beside them (``recorded["bases"]``), from which a run draws as many rounds as it compares, as
+    the side-by-side gate measures. ``baseline``: a baseline the suite recorded (``suite_baseline``), taken as it
+    is, as a gate run takes it, instead of the recorded baseline pool."""
     rows = []
-    base = recorded["baseline"] if baseline is None else baseline
-    drawn = {s: (None if baseline is not None else min(BASELINE_ROUNDS[s], len(base[s][0])), ROUNDS[s])
-             for s in SCENARIOS}
+    beside = "bases" in recorded
     for name, current in recorded["pools"].items():
+        base = recorded["bases"][name] if beside else recorded["baseline"] if baseline is None else baseline
+        if beside:
+            drawn = {s: (ROUNDS[s], ROUNDS[s]) for s in SCENARIOS}
+        else:
+            drawn = {s: (None if baseline is not None else min(BASELINE_ROUNDS[s], len(base[s][0])), ROUNDS[s])
+                     for s in SCENARIOS}
         condition, planted = name.split(" +")
         rate, by_check = simulate(base, current, drawn, runs, THRESHOLDS)
         measured = {s: float(perf_gate.relative_cost(*map(perf_gate.as_rounds, current[s]))
                              / perf_gate.relative_cost(*map(perf_gate.as_rounds, base[s]))) for s in SCENARIOS}
         rows.append({"condition": condition, "planted": float(planted.rstrip("%")) / 100, "fail_rate": rate,
                      "by_check": by_check, "measured_ratio": measured})
-    keep = ("unit", "cost_per_token", "tokens", "baseline", "pools")
-    return {**{key: recorded[key] for key in keep}, "pool_rounds": {s: len(base[s][0]) for s in SCENARIOS},
+    keep = ("unit", "cost_per_token", "tokens", "baseline", "pools", "bases", "base_revision")
+    if beside:
+        against = f"base revision {recorded['base_revision'][:10]} measured beside each pool (side by side)"
+    else:
+        against = "the study's baseline pool" if baseline is None else "a baseline the suite recorded"
+    return {**{key: recorded[key] for key in keep if key in recorded},
+            "pool_rounds": {s: len(base[s][0]) for s in SCENARIOS},
             "rounds": drawn, "runs": runs, "thresholds": THRESHOLDS, "quantile": perf_gate.QUANTILE,
-            "against": "the study's baseline pool" if baseline is None else "a baseline the suite recorded",
-            "rows": rows}
+            "against": against, "rows": rows}
 
 
 def table(report: Dict) -> str:
