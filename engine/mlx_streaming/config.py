@@ -1,15 +1,16 @@
 """StreamingConfig: every engine knob in one dataclass.
 
-CLI flags, pytest options and the seed's environment names all map onto these fields; code below this
-module reads the config object, never ``os.environ``.
+CLI flags, pytest options and the environment names of ``ENV_NAMES`` (``MLX_STREAMING_<NAME>``, and
+``STG_VERIFY``) all map onto these fields; code below this module reads the config object, never ``os.environ``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
-from typing import Union, Mapping, Optional
+from typing import Callable, Mapping, Optional, Union
 
 from .errors import ConfigError
 
@@ -18,6 +19,10 @@ IO_MODES = ("buffered", "direct")
 POOL_SIZES = ("pool_slots", "pool_bytes", "memory_budget", "pool_fraction")
 VERIFY_MODES = ("direct", "replay")
 MISS_CHECKS = ("token", "layer")
+
+#: Tokens per verify (``k``) at most: a verify of K tokens costs about K decode steps, and the MTP head's
+#: acceptance falls with every draft position, so a larger K only burns time (``KChooser`` tries 1 to 4).
+MAX_K = 16
 
 #: Memory kept free for KV caches, activations and temporaries when the pool size is derived from
 #: ``memory_budget``: the pool gets ``memory_budget - dense weights - memory_allowance``.
@@ -102,8 +107,8 @@ class StreamingConfig:
             raise ConfigError(f"miss_check must be one of {', '.join(MISS_CHECKS)}, got {self.miss_check!r}")
         if self.verify_mode not in VERIFY_MODES:
             raise ConfigError(f"verify_mode must be one of {', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
-        if self.k != "auto" and (not isinstance(self.k, int) or self.k < 1):
-            raise ConfigError(f"k (tokens per verify) must be auto or at least 1, got {self.k!r}")
+        if self.k != "auto" and (not isinstance(self.k, int) or not 1 <= self.k <= MAX_K):
+            raise ConfigError(f"k must be auto or 1 to {MAX_K} (tokens per verify), got {self.k!r}")
         sizing = [n for n in POOL_SIZES if getattr(self, n) is not None]
         if len(sizing) > 1:
             given = ", ".join(f"{n}={getattr(self, n)}" for n in sizing)
@@ -138,17 +143,43 @@ class StreamingConfig:
         return self.replace(**{**dict.fromkeys(POOL_SIZES), **size})
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "StreamingConfig":
-        """The seed's environment names, as a fallback under explicit ``overrides``."""
+    def from_env(cls, environ: Mapping[str, str] = os.environ, defaults: Mapping[str, object] = (),
+                 say: Optional[Callable[[str], None]] = None, **overrides) -> "StreamingConfig":
+        """The config of ``overrides`` (``None``: not given), over the environment names of ``ENV_NAMES``, over
+        ``defaults`` (a caller's own defaults; a pool size among them applies only where no pool size is given).
+
+        Every value taken from the environment is named in one line through ``say`` (default: on stderr), so
+        that no setting is silent; an ``MLX_STREAMING_`` name that is no setting is named too, as ignored.
+        Bare names of earlier versions (``K``, ``MAXTOK``, ``PROMPT``...) are not read."""
+        say = say or _stderr
+        given = {k: v for k, v in overrides.items() if v is not None}
         values = {}
         for env_name, (field_name, parse) in ENV_NAMES.items():
-            if env_name in environ and environ[env_name] != "":
-                try:
-                    values[field_name] = parse(environ[env_name])
-                except ValueError as exc:
-                    raise ConfigError(f"environment variable {env_name}={environ[env_name]!r}: {exc}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
+            text = environ.get(env_name, "")
+            if text == "":
+                continue
+            try:
+                value = parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"environment variable {env_name}={text!r}: {exc}") from None
+            if field_name in given:
+                say(f"mlx-streaming: {env_name}={text} in the environment is overridden by the command line")
+            else:
+                values[field_name] = value
+                say(f"mlx-streaming: {env_name}={text} from the environment")
+        for env_name in sorted(environ):
+            if env_name.startswith(ENV_PREFIX) and env_name not in ENV_NAMES and env_name not in OTHER_ENV_NAMES:
+                say(f"mlx-streaming: {env_name} in the environment is not a setting, ignored (settings: "
+                    f"{', '.join(ENV_NAMES)})")
+        values.update(given)
+        for name, value in dict(defaults).items():
+            if not any(n in values for n in (POOL_SIZES if name in POOL_SIZES else (name,))):
+                values[name] = value
         return cls(**values)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -178,29 +209,43 @@ def _flag(text: str) -> bool:
     return text.strip().lower() not in ("0", "false", "no", "off", "")
 
 
+def _prefetch_env(text: str):
+    return "auto" if text.strip().lower() == "auto" else _flag(text)
+
+
+#: Every environment name read is namespaced, so that a ``K`` or ``PROMPT`` left in a shell changes nothing.
+ENV_PREFIX = "MLX_STREAMING_"
+
+#: Environment name -> (StreamingConfig field, parser). Each is ``ENV_PREFIX`` and the field's name in capitals,
+#: except ``verify_mode``, named after its flag ``--commit-mode`` (``verify`` is the byte check), and
+#: ``STG_VERIFY``, kept as users know it.
 ENV_NAMES = {
-    "MAXTOK": ("max_tokens", int),
-    "K": ("k", lambda text: text if text == "auto" else int(text)),
-    "MTP_OUT": ("mtp_path", str),
-    "VERIFY_MODE": ("verify_mode", str),
-    "PROMPT": ("prompt", str),
-    "POOL_SLOTS": ("pool_slots", int),
-    "POOL_BYTES": ("pool_bytes", parse_size),
-    "MEMORY_BUDGET": ("memory_budget", parse_size),
-    "POOL_FRACTION": ("pool_fraction", float),
-    "IO_MODE": ("io_mode", str),
-    "PREFILL_CHUNK": ("prefill_chunk", int),
-    "PIN_HOT": ("pin_hot", int),
-    "PIN_CAL_TOK": ("pin_cal_tokens", int),
-    "RECORD": ("record", _flag),
-    "WARMUP_TOK": ("warmup_tokens", int),
-    "REPEAT": ("repeat", int),
-    "DUMP_IDS": ("dump_ids", str),
+    ENV_PREFIX + "MAX_TOKENS": ("max_tokens", int),
+    ENV_PREFIX + "K": ("k", lambda text: text if text == "auto" else int(text)),
+    ENV_PREFIX + "MTP_PATH": ("mtp_path", str),
+    ENV_PREFIX + "COMMIT_MODE": ("verify_mode", str),
+    ENV_PREFIX + "PROMPT": ("prompt", str),
+    ENV_PREFIX + "POOL_SLOTS": ("pool_slots", int),
+    ENV_PREFIX + "POOL_BYTES": ("pool_bytes", parse_size),
+    ENV_PREFIX + "MEMORY_BUDGET": ("memory_budget", parse_size),
+    ENV_PREFIX + "POOL_FRACTION": ("pool_fraction", float),
+    ENV_PREFIX + "IO_MODE": ("io_mode", str),
+    ENV_PREFIX + "PREFILL_CHUNK": ("prefill_chunk", int),
+    ENV_PREFIX + "PIN_HOT": ("pin_hot", int),
+    ENV_PREFIX + "PIN_CAL_TOKENS": ("pin_cal_tokens", int),
+    ENV_PREFIX + "RECORD": ("record", _flag),
+    ENV_PREFIX + "WARMUP_TOKENS": ("warmup_tokens", int),
+    ENV_PREFIX + "REPEAT": ("repeat", int),
+    ENV_PREFIX + "DUMP_IDS": ("dump_ids", str),
+    ENV_PREFIX + "PREFETCH": ("prefetch", _prefetch_env),
+    ENV_PREFIX + "PREFETCH_AHEAD": ("prefetch_ahead", int),
+    ENV_PREFIX + "PREFETCH_MULT": ("prefetch_mult", int),
+    ENV_PREFIX + "STAGING_BYTES": ("staging_bytes", parse_size),
+    ENV_PREFIX + "MISS_CHECK": ("miss_check", str),
+    ENV_PREFIX + "PRELOAD": ("preload", _flag),
     "STG_VERIFY": ("verify", _flag),
-    "PREFETCH": ("prefetch", _flag),
-    "PREFETCH_AHEAD": ("prefetch_ahead", int),
-    "PREFETCH_MULT": ("prefetch_mult", int),
-    "STAGING_BYTES": ("staging_bytes", parse_size),
-    "MISS_CHECK": ("miss_check", str),
-    "PRELOAD": ("preload", _flag),
 }
+
+#: ``MLX_STREAMING_`` names read elsewhere, not settings of this config: the native reader switch
+#: (``io/native.py``) and the perf suite's planted slowdown (``perf/test_perf.py``).
+OTHER_ENV_NAMES = (ENV_PREFIX + "NATIVE", ENV_PREFIX + "PLANT_S")
