@@ -250,7 +250,7 @@ def test_bench_prints_diagnostics_and_what_counters_cover():
     done = _cli("bench", "--max-tokens", "3", "--warmup", "0", "--repeat", "1", "--pool-slots", "12", "--prefetch",
                 "--diagnostics")
     assert done.returncode == 0, done.stderr
-    assert "counters: the last timed run" in done.stdout and "recall" in done.stdout
+    assert "hit rate, disk loads, MB read: the last timed run" in done.stdout and "recall" in done.stdout
 
 
 def test_help_shows_defaults_version_and_only_the_options_a_command_takes():

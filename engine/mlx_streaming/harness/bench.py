@@ -1,7 +1,13 @@
-"""The benchmark: greedy and speculative decoding on one streaming model, side by side in one process.
+"""The benchmark: greedy and speculative decoding on one streaming model, side by side in one process, and
+mlx-lm's in-memory model beside them.
 
 ``run`` warms both paths for ``warmup_tokens``, then times each ``repeat`` times and reports medians; the
-counters come from the last run of each path (the store is reset before every run). Decode tok/s starts
+counters come from the last run of each path (the store is reset before every run). With ``compare_inmemory``
+mlx-lm's in-memory model is loaded once the streaming model is gone and timed the same way: ``table``'s rows
+give each path's tok/s, its ratio to in-memory, hit rate, bytes read, the memory each model held (its weight
+arrays, and MLX's peak above what MLX held before it was built) and whether its ids equal in-memory's.
+``mlx-streaming bench`` with no options runs it on the default model at a quarter-size pool read with the page
+cache bypassed (``cli.BENCH_DEFAULTS``). Decode tok/s starts
 after the prompt's prefill. Ratios (speedup, disk-load ratio, streaming / in-memory) are measured in the
 same process and are comparable across machines; absolute tok/s are not. ``sweep`` is the pool-size /
 io-mode table: mlx-lm in-memory against streaming at several pools, greedy only.
@@ -12,6 +18,7 @@ A ``buffered`` figure read from a page cache that holds the shards measures memo
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -75,16 +82,38 @@ def _timed_runs(label: str, once: Callable[[], tuple], store, repeat: int) -> tu
     return rates, result, _store_counters(store) if store is not None else {}
 
 
+def _memory_mark() -> int:
+    """MLX's active bytes now, its cache emptied and its peak reset: what ``_peak_growth`` counts from."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
+def _peak_growth(mark: int) -> int:
+    """MLX's peak bytes since ``_memory_mark`` above what was active then."""
+    return max(0, mx.get_peak_memory() - mark)
+
+
+def _streaming_weights(sm) -> int:
+    """Bytes of the weight arrays a streaming model holds as built: dense weights, expert pool, MTP head."""
+    from .memory import resident_dense_bytes
+
+    head = resident_dense_bytes(sm.mtp, sm.store) if sm.mtp is not None else 0
+    return resident_dense_bytes(sm.model, sm.store) + sm.store.nbytes + head
+
+
 def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False) -> dict:
     """One benchmark of ``config`` on ``model_dir``: the result dict the CLI prints and perf tests store."""
     from ..model import build_streaming_model
     from .memory import memory_snapshot
 
-    mx.reset_peak_memory()
+    mark = _memory_mark()
     _say(f"building the streaming model from {model_dir}")
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
         prompt_ids = sm.tokenizer.encode(config.prompt)
         K, mode, chunk, n = config.k, config.verify_mode, config.prefill_chunk, config.max_tokens
+        weights = _streaming_weights(sm)
 
         def greedy_once():
             return timed_greedy(sm.model, prompt_ids, n, chunk)
@@ -124,12 +153,17 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             "memory": memory_snapshot(sm),
             "pool": sm.plan.note,
         }
+        result["memory"]["weights_bytes"] = weights
+        result["memory"]["mlx_peak_growth_bytes"] = _peak_growth(mark)
         if config.diagnostics:
             result["diagnostics"] = diagnostics_report(sm.store).splitlines()
+    del sm  # gone before the in-memory model loads: neither is counted in the other's memory
     if compare_inmemory:
         result["inmemory"] = _inmemory(model_dir, config, prompt_ids)
         result["streaming_over_inmemory"] = result["greedy_tok_s"]["median"] / result["inmemory"]["tok_s"]["median"]
-        result["inmemory_ids_match"] = result["inmemory"].pop("ids") == greedy_ids
+        inmemory_ids = result["inmemory"].pop("ids")
+        result["inmemory_ids_match"] = inmemory_ids == greedy_ids
+        result["spec_inmemory_ids_match"] = inmemory_ids == spec_ids
     if config.dump_ids:
         Path(config.dump_ids).write_text(json.dumps({"greedy": greedy_ids, "speculative": spec_ids}))
     return result
@@ -142,40 +176,66 @@ def _margins(model, prompt_ids, n, chunk) -> list:
 
 
 def _inmemory(model_dir: Path, config: StreamingConfig, prompt_ids) -> dict:
+    """mlx-lm's in-memory greedy decode tok/s and ids, with the bytes of its weights (every one read at load)
+    and MLX's peak above what was active before it loaded."""
     import mlx_lm
+    from mlx.utils import tree_flatten
 
+    mark = _memory_mark()
     _say("loading mlx-lm's in-memory model")
     model, _ = mlx_lm.load(str(model_dir))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     if config.warmup_tokens:
         timed_greedy(model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
     rates, (ids,), _ = _timed_runs("in-memory greedy", lambda: timed_greedy(model, prompt_ids, config.max_tokens, config.prefill_chunk), None, config.repeat)
+    peak = _peak_growth(mark)
     del model
     mx.clear_cache()
-    return {"tok_s": _spread(rates), "ids": ids}
+    return {"tok_s": _spread(rates), "ids": ids, "weights_bytes": weights, "mlx_peak_growth_bytes": peak}
 
 
 def table(result: dict) -> str:
+    """The streaming paths (and mlx-lm's in-memory model, where it ran) side by side, then what they were."""
     from tabulate import tabulate
 
+    memory = result["memory"]
+    inmemory = result.get("inmemory")
+    base = inmemory["tok_s"]["median"] if inmemory else None
     rows = []
-    if "inmemory" in result:
-        rows.append(["mlx-lm in-memory greedy", result["inmemory"]["tok_s"]["median"], result["inmemory"]["tok_s"]["min"], result["inmemory"]["tok_s"]["max"], "-", "-", "-"])
-    for label, key, io in (("streaming greedy", "greedy_tok_s", "greedy_io"), (f"streaming MTP K={result['K']} ({result['verify_mode']})", "spec_tok_s", "spec_io")):
+    if inmemory:
+        rows.append(["mlx-lm in-memory greedy", _f(base, 2), _f(1.0, 3), "-", "-", "0",
+                     _f(inmemory["weights_bytes"] / 1e6, 1), _f(inmemory["mlx_peak_growth_bytes"] / 1e6, 1), "(reference)"])
+    paths = (("streaming greedy", "greedy_tok_s", "greedy_io", result.get("inmemory_ids_match", "(reference)")),
+             (f"streaming MTP K={result['K']} ({result['verify_mode']})", "spec_tok_s", "spec_io",
+              result.get("spec_inmemory_ids_match", result["exact_match"])))
+    for label, key, io, ids_equal in paths:
         t, c = result[key], result[io]
-        rows.append([label, t["median"], t["min"], t["max"], c["disk_loads"], round(c["hit_rate"], 3), round(c["bytes_read"] / 1e6, 1)])
-    head = tabulate(rows, headers=["path", "tok/s median", "min", "max", "disk loads", "hit rate", "MB read"], floatfmt=".3f")
+        rows.append([label, _f(t["median"], 2), _f(t["median"] / base, 3) if base else "-", _f(c["hit_rate"], 3),
+                     c["disk_loads"], _f(c["bytes_read"] / 1e6, 1), _f(memory["weights_bytes"] / 1e6, 1),
+                     _f(memory["mlx_peak_growth_bytes"] / 1e6, 1), ids_equal])
+    reference = "in-memory" if inmemory else "streaming greedy"
+    head = tabulate(rows, headers=["path", "tok/s", "x in-memory", "hit rate", "disk loads", "MB read", "weights MB",
+                                   "MLX peak MB", f"ids = {reference}"], disable_numparse=True,
+                    colalign=("left",) + ("right",) * 8)
     u = result["union_of_experts"]
     summary = [
-        f"counters: the last timed run of each path (prompt prefill + {result['max_tokens']} tokens), after "
-        f"{result['warmup']} warm-up tokens whose pool state carries over; disk loads = demand + prefetch reads, "
-        f"MB read = every byte read (demand and prefetch)",
+        f"tok/s: median of {result['repeat']} timed runs of {result['max_tokens']} tokens each, from the end of the "
+        f"prompt's prefill. hit rate, disk loads, MB read: the last timed run of each path (prompt prefill + "
+        f"{result['max_tokens']} tokens), after {result['warmup']} warm-up tokens whose pool state carries over; disk "
+        f"loads = demand + prefetch reads, MB read = every byte read from disk (demand and prefetch)"
+        + (f"; in-memory reads its {inmemory['weights_bytes'] / 1e6:.1f} MB of weights once at load, none while "
+           f"decoding" if inmemory else ""),
+        "weights MB: the weight arrays each model holds in MLX memory (in-memory: every weight; streaming: dense "
+        "weights + expert pool + MTP head). MLX peak MB: MLX's peak memory from the model's load/build through its "
+        "timed runs, above what MLX held before (weights, KV caches, activations, temporaries; both streaming rows "
+        "are one model). MB = 10^6 bytes",
         result["pool"],
         f"model {result['model']}  io_mode={result['io_mode']}  pool {result['pool_slots']}/{result['num_experts']} experts per layer  "
         f"max_tokens={result['max_tokens']} warmup={result['warmup']} repeat={result['repeat']}",
         f"speedup {result['speedup']:.3f}x  exact_match={result['exact_match']}  avg accept {result['avg_accept_len']:.3f} per step  "
         f"steps {result['steps']}  disk-load ratio {result['disk_load_ratio'] if result['disk_load_ratio'] is None else round(result['disk_load_ratio'], 3)}",
         f"union of experts per verify: avg {u.get('avg', 0):.1f}  p99 {u.get('p99', 0):.1f}  max {u.get('max', 0)}",
-        f"memory: MLX active {result['memory']['mlx_active_gb']:.3f} GB, peak {result['memory']['mlx_peak_gb']:.3f} GB, RSS {result['memory']['rss_gb']:.3f} GB",
+        f"streaming model, after its runs: MLX active {result['memory']['mlx_active_gb']:.3f} GB, peak {result['memory']['mlx_peak_gb']:.3f} GB, RSS {result['memory']['rss_gb']:.3f} GB",
     ]
     for row in result.get("k_choice") or []:
         measured = row["ms_per_step"] is not None
@@ -183,10 +243,12 @@ def table(result: dict) -> str:
             f"K={row['K']}: {row['steps']} steps" + (f", {row['ms_per_step']:.1f} ms per step, expected "
             f"{row['expected_tokens_per_step']:.2f} tokens per step = {row['expected_tok_s']:.2f} tok/s, achieved "
             f"{row['achieved_tok_s']:.2f} tok/s" if measured else "") + ("  <- chosen" if row["chosen"] else ""))
-    if "streaming_over_inmemory" in result:
-        summary.append(f"streaming / in-memory greedy: {result['streaming_over_inmemory']:.3f}  (ids equal: {result['inmemory_ids_match']})")
     summary.extend(result.get("diagnostics", []))
     return head + "\n" + "\n".join(summary)
+
+
+def _f(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}"
 
 
 def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=("buffered", "direct")) -> List[dict]:
@@ -233,8 +295,13 @@ def noise_floor(argv: List[str], processes: int) -> dict:
         for i in range(processes):
             out, ids = Path(tmp) / f"run{i}.json", Path(tmp) / f"ids{i}.json"
             _say(f"process {i + 1}/{processes}")
-            subprocess.run([sys.executable, "-m", "mlx_streaming", "bench", *argv, "--json", str(out), "--dump-ids", str(ids)],
-                           check=True, stdout=subprocess.DEVNULL)
+            done = subprocess.run([sys.executable, "-m", "mlx_streaming", "bench", *argv, "--json", str(out),
+                                   "--dump-ids", str(ids)], stdout=subprocess.DEVNULL)
+            if done.returncode != 0:
+                from ..errors import StreamingError
+
+                raise StreamingError(f"--processes: process {i + 1} of {processes} failed (exit status "
+                                     f"{done.returncode}; its error is above)")
             runs.append((json.loads(out.read_text()), json.loads(ids.read_text())))
 
     def spread(values: List[float]) -> dict:
