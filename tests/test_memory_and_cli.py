@@ -128,3 +128,43 @@ def test_bench_prefetch_auto_report_compares_auto_with_on_and_off(model_dir):
     assert set(report["tok_s"]) == {"off", "on", "auto"} and report["ids_identical"]
     assert report["best_fixed"] in ("off", "on")
     assert "auto / best fixed" in bench.auto_table(report, "prefetch")
+
+
+def test_bench_with_no_options_streams_from_disk_beside_in_memory(tmp_path):
+    """The main job: no pool or io option given, bench streams at a quarter-size pool with the page cache
+    bypassed, beside mlx-lm's in-memory model. Bare K and MAXTOK left in the shell change nothing."""
+    import os
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLX_STREAMING_")}, "K": "7", "MAXTOK": "50"}
+    out = subprocess.run([sys.executable, "-m", "mlx_streaming", "bench", "--max-tokens", "4", "--warmup", "2",
+                          "--repeat", "1", "--json", str(tmp_path / "bench.json")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["K"] == "auto" and result["max_tokens"] == 4  # the defaults and the option, not K=7 / MAXTOK=50
+    assert "K=7" not in out.stderr and "MAXTOK" not in out.stderr
+    assert "--pool-fraction 0.25, --io-mode direct: the benchmark's default" in out.stderr
+    assert result["io_mode"] == "direct" and result["pool_slots"] == result["num_experts"] // 4
+    assert result["greedy_io"]["bytes_read"] > 0 and result["greedy_io"]["hit_rate"] < 1
+    assert result["inmemory_ids_match"] and result["spec_inmemory_ids_match"]
+    assert 0 < result["memory"]["weights_bytes"] < result["inmemory"]["weights_bytes"]
+    assert result["memory"]["mlx_peak_growth_bytes"] > 0 and result["inmemory"]["mlx_peak_growth_bytes"] > 0
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:9] == ["path", "tok/s", "x", "in-memory", "hit", "rate", "disk", "loads", "MB"]
+    inmemory, streaming = lines[2].split(), lines[3].split()
+    assert inmemory[:3] == ["mlx-lm", "in-memory", "greedy"] and inmemory[-1] == "(reference)"
+    assert streaming[:2] == ["streaming", "greedy"] and streaming[-1] == "True" and float(streaming[6]) > 0  # MB read
+
+
+def test_a_setting_from_the_environment_is_named_on_stderr(monkeypatch, capsys):
+    from mlx_streaming import cli
+
+    monkeypatch.setenv("MLX_STREAMING_K", "3")
+    monkeypatch.setenv("K", "7")
+    args = cli.build_parser().parse_args(["bench", "--max-tokens", "4"])
+    args.flags = cli._flags(cli.build_parser(), "bench")
+    assert cli._config(args).k == 3 and cli._config(args).max_tokens == 4
+    assert capsys.readouterr().err.splitlines() == ["mlx-streaming: MLX_STREAMING_K=3 from the environment"]
+    monkeypatch.setenv("MLX_STREAMING_K", "many")
+    assert cli.main(["plan"]) == 2
+    assert "environment variable MLX_STREAMING_K='many'" in capsys.readouterr().err

@@ -2,6 +2,11 @@
 
 Every engine option maps by name onto a ``StreamingConfig`` field; an error about a field is reported with the
 flag the user typed. Errors end in one line and exit status 2, Ctrl-C in one line and 130, never a traceback.
+
+Input is checked before any work (``check_input``): every path for its kind (file or folder), every output path
+for a folder it can be written into, every number against what the model and this machine allow, ``serve``'s
+address by binding it; only then is the memory plan printed and the model built. Settings taken from the
+environment (``MLX_STREAMING_<NAME>``, ``config.ENV_NAMES``) are each named in one line on stderr.
 """
 
 from __future__ import annotations
@@ -9,18 +14,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
-from .config import StreamingConfig, format_size, parse_size
-from .errors import ConfigError, StreamingError
+from .config import ENV_NAMES, StreamingConfig, format_size, parse_size
+from .errors import CheckpointError, ConfigError, OutputError, StreamingError
 
 DESCRIPTION = """Run Mixture-of-Experts models larger than memory on MLX: dense weights resident, experts
 streamed from disk into a bounded pool, output equal to mlx-lm's in-memory model token for token.
 Without --model every command uses the embedded default model (a small trained Qwen3-Next)."""
 
 DEFAULTS = StreamingConfig()
+
+ENV_HELP = ("environment: settings may also come from " + ", ".join(ENV_NAMES) + ". Each one used is named on "
+            "stderr; an option on the command line wins. Other names (K, PROMPT, MAXTOK...) are not read.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (the option and what is wrong), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _size(text: str) -> int:
@@ -58,6 +74,7 @@ def _default(field: str) -> str:
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     """What every command that builds a streaming model takes: the model, the pool, the reads."""
+    p.epilog = ENV_HELP
     g = p.add_argument_group("model and expert pool (at most one of --pool-slots, --pool-bytes, --pool-fraction, "
                              "--memory-budget; none: every expert resident)")
     g.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the embedded default model)")
@@ -71,7 +88,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "staging leave")
     g.add_argument("--preload", action="store_true", default=None,
                    help="read every expert into the pool at build (needs a pool that holds every expert): nothing "
-                        "is read while decoding and no forward waits for a miss check (PRELOAD=1)")
+                        "is read while decoding and no forward waits for a miss check (MLX_STREAMING_PRELOAD=1)")
     g.add_argument("--io-mode", choices=("buffered", "direct"),
                    help=f"read experts through the page cache or bypass it (default {DEFAULTS.io_mode})")
     g.add_argument("--packed", dest="packed_dir", metavar="DIR", help="read experts from this packed layout (mlx-streaming repack)")
@@ -101,9 +118,249 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args) -> StreamingConfig:
-    """Every option whose destination is a StreamingConfig field, over the seed's environment names."""
+    """Every option whose destination is a StreamingConfig field, over the environment's ``MLX_STREAMING_``
+    names (each named on stderr when used), over the command's own defaults (``config_defaults``). Made once
+    per command: the environment is announced once."""
+    if getattr(args, "config", None) is None:
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StreamingConfig) if hasattr(args, f.name)}
+        args.config = StreamingConfig.from_env(defaults=_command_defaults(args), say=_say, **given)
+    return args.config
+
+
+#: ``bench`` with no report option: the default model streamed from disk through a quarter-size pool with the
+#: page cache bypassed, beside mlx-lm's in-memory model; an explicit pool size or io mode (option or
+#: environment) replaces these.
+BENCH_DEFAULTS = {"pool_fraction": 0.25, "io_mode": "direct"}
+
+#: ``bench``'s report options (one at a time); none: the default benchmark.
+BENCH_REPORTS = ("processes", "io", "sweep", "prefetch_report", "gate_power", "gate_power_replay", "k_report",
+                 "prefetch_auto_report", "overhead")
+
+
+def _bench_report(args):
+    """The report option ``bench`` was given, or None for the default benchmark (``--processes`` runs the default
+    benchmark in fresh processes: its config is the default benchmark's)."""
+    return next((name for name in BENCH_REPORTS if getattr(args, name, None) not in (None, False)), None)
+
+
+def _command_defaults(args) -> dict:
+    defaults = dict(getattr(args, "config_defaults", None) or {})
+    if args.command == "bench" and _bench_report(args) in (None, "processes"):
+        defaults.update(BENCH_DEFAULTS)
+    return defaults
+
+
+def _bench_defaults_used(args, config: StreamingConfig) -> list:
+    """The ``BENCH_DEFAULTS`` the default benchmark took (nothing else set a pool size or the io mode)."""
+    if args.command != "bench" or _bench_report(args) not in (None, "processes"):
+        return []
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StreamingConfig) if hasattr(args, f.name)}
-    return StreamingConfig.from_env(**given)
+    plain = StreamingConfig.from_env(say=lambda line: None, **given)
+    return [name for name in BENCH_DEFAULTS if getattr(config, name) != getattr(plain, name)]
+
+
+# ----------------------------------------------------------------------------- input checked before work
+
+#: Path options read by a command: destination -> what it must be.
+INPUT_PATHS = {"model": "folder", "packed_dir": "folder", "hf": "folder", "trace": "file",
+               "gate_power_replay": "file", "gate_power_baseline": "file"}
+#: File options a command writes once its work is done: destination -> flag.
+OUTPUT_FILES = {"json": "--json", "dump_ids": "--dump-ids", "record_trace": "--record-trace", "plot": "--plot"}
+#: Files of a model folder that must be files where they are there (a missing one is reported when read).
+MODEL_FILES = ("config.json", "model.safetensors.index.json", "model.safetensors", "mtp.safetensors",
+               "tokenizer.json", "tokenizer_config.json", "generation_config.json", "heldout.safetensors",
+               "training_report.json", "heldout_pytorch.json")
+#: Counts a command takes outside the StreamingConfig: destination -> least value.
+COUNTS = {"processes": 1, "loss_sequences": 1, "prompts": 1, "new_tokens": 1}
+#: Seeds: what both numpy's and MLX's generators take.
+SEED_RANGE = (0, 2 ** 64 - 1)
+
+
+def _flag_of(args, dest: str) -> str:
+    return args.flags.get(dest, "--" + dest.replace("_", "-"))
+
+
+def _check_kind(option: str, path, kind: str) -> None:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{option} {path}: cannot read it (no such {kind})")
+    if kind == "folder" and not path.is_dir():
+        raise ConfigError(f"{option} {path}: is a file, not a folder; {option} takes a folder")
+    if kind == "file" and path.is_dir():
+        raise ConfigError(f"{option} {path}: is a folder, not a file; {option} takes a file")
+
+
+def _check_output_file(option: str, path) -> None:
+    """``path`` can be written once the work is done: not a folder, in a folder that exists and is writable."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise OutputError(f"{option} {path}: is a folder; give the name of the file to write (nothing was run)")
+    if not folder.is_dir():
+        raise OutputError(f"{option} {path}: folder {folder} does not exist (nothing was run)")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise OutputError(f"{option} {path}: cannot write there (permission denied; nothing was run)")
+
+
+def _check_output_target(option: str, path) -> None:
+    """A file or folder a command creates with its parents (``--out``): the nearest folder that exists is writable."""
+    ancestor = Path(path).absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputError(f"{option} {path}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {path}: cannot write in {ancestor} (permission denied)")
+
+
+def _check_model_folder(option: str, folder: Path) -> None:
+    """Every file the checkpoint is read from, where it is there, is a file (a folder of that name is refused)."""
+    names = list(MODEL_FILES)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names += sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # reported, with its reason, when the checkpoint is opened
+    for name in names:
+        if (folder / name).is_dir():
+            raise CheckpointError(f"{option} {folder}: {name} is a folder, not a file")
+
+
+def _check_address(host: str, port: int) -> None:
+    """``serve --host/--port``: a port that can be, a host that resolves, an address this process may bind."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port {port}: not a TCP port (1 to 65535)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"--host {host}: not an address of this machine ({getattr(exc, 'strerror', None) or exc})") from None
+    probe = socket.socket(family, kind, proto)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as mlx-lm's HTTP server binds
+        probe.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+    finally:
+        probe.close()
+
+
+def check_input(args) -> None:
+    """What can be checked from the command line alone, before any file is read: numbers outside the config,
+    path kinds, output folders, ``serve``'s address."""
+    for dest, least in COUNTS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value < least:
+            raise ConfigError(f"{_flag_of(args, dest)} {value}: must be at least {least}")
+    if getattr(args, "seed", None) is not None and not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise ConfigError(f"--seed {args.seed}: seeds run from 0 to 2**64-1")
+    if getattr(args, "temp", None) is not None and args.temp < 0:
+        raise ConfigError(f"--temp {args.temp}: a temperature is 0 (greedy) or more")
+    if getattr(args, "top_p", None) is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p {args.top_p}: a nucleus threshold is above 0 and at most 1")
+    if getattr(args, "disk_gbps", None) is not None and args.disk_gbps <= 0:
+        raise ConfigError(f"--disk-gbps {args.disk_gbps}: a disk rate is above 0")
+    if args.command == "plan" and not args.trace:
+        for dest in ("json", "plot", "pin_hot"):
+            if getattr(args, dest) is not None:
+                raise ConfigError(f"{_flag_of(args, dest)}: only with --trace FILE (the plan itself is printed)")
+    if getattr(args, "gate_power_baseline", None) and not args.gate_power_replay:
+        raise ConfigError(f"--gate-power-baseline {args.gate_power_baseline}: only with --gate-power-replay FILE")
+    if args.command == "bench" and getattr(args, "dump_ids", None) and _bench_report(args) is not None:
+        raise ConfigError(f"--dump-ids {args.dump_ids}: only in the default benchmark, not with "
+                          f"{_flag_of(args, _bench_report(args))}")
+    for dest, kind in INPUT_PATHS.items():
+        if getattr(args, dest, None) is not None:
+            _check_kind(_flag_of(args, dest), getattr(args, dest), kind)
+    if getattr(args, "model", None) is not None:
+        _check_model_folder("--model", Path(args.model))
+    for dest, option in OUTPUT_FILES.items():
+        if getattr(args, dest, None):
+            _check_output_file(option, getattr(args, dest))
+    if getattr(args, "plot", None):
+        import importlib.util
+
+        if Path(args.plot).suffix.lower() != ".png":
+            raise OutputError(f"--plot {args.plot}: name the file to write *.png")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("--plot needs matplotlib: pip install 'mlx-streaming[plot]'")
+    if getattr(args, "out", None) is not None:
+        out = Path(args.out)
+        if args.command == "extract-mtp":
+            if out.is_dir():
+                raise OutputError(f"--out {out.absolute()}: is a folder; give the name of the file to write")
+            if out.suffix != ".safetensors":
+                raise OutputError(f"--out {out.absolute()}: name the file to write *.safetensors")
+        elif out.exists() and not out.is_dir():
+            raise OutputError(f"--out {out.absolute()}: is a file, not a folder; give a new or empty folder")
+        _check_output_target("--out", out)
+    if args.command == "serve":
+        _check_address(args.host, args.port)
+
+
+def _machine_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def check_config(args, config: StreamingConfig) -> None:
+    """The config against the files it names and this machine: paths from the environment, byte sizes."""
+    if config.dump_ids and args.command == "bench" and not getattr(args, "dump_ids", None):
+        _check_output_file("MLX_STREAMING_DUMP_IDS", config.dump_ids)
+    if config.mtp_path:
+        _check_kind("MLX_STREAMING_MTP_PATH", config.mtp_path, "file")
+    memory = _machine_memory()
+    for name in ("pool_bytes", "memory_budget", "staging_bytes"):
+        value = getattr(config, name)
+        if value is not None and value > memory:
+            raise ConfigError(f"{name}={format_size(value)} is more than this machine's memory ({format_size(memory)})")
+
+
+def _model_limits(model_dir: Path) -> dict:
+    """What the model allows, from its config.json: context length, experts per layer, experts per token."""
+    from .adapters.switch_layers import experts_per_token
+    from .model import read_config
+
+    model_config = read_config(model_dir)
+    scopes = (model_config, model_config.get("text_config") or {})
+    positions = next((s["max_position_embeddings"] for s in scopes if s.get("max_position_embeddings")), None)
+    return {"max_positions": positions, "top_k": experts_per_token(model_config)}
+
+
+def check_against_model(args, config: StreamingConfig, plan) -> None:
+    """Numbers the model bounds, from its config.json and the memory plan (headers only, nothing loaded)."""
+    limits = _model_limits(_model_dir(args))
+    top_k, positions = limits["top_k"], limits["max_positions"]
+    if positions:
+        lengths = {"max_tokens": config.max_tokens, "pin_cal_tokens": config.pin_cal_tokens,
+                   "warmup_tokens": config.warmup_tokens, "new_tokens": getattr(args, "new_tokens", None)}
+        for name, value in lengths.items():
+            if value is not None and value > positions:
+                raise ConfigError(f"{_flag_of(args, name)} {value}: more tokens than the model's context "
+                                  f"(max_position_embeddings={positions})")
+    if config.prefetch and config.prefetch_mult * top_k > plan.num_experts:
+        raise ConfigError(f"{_flag_of(args, 'prefetch_mult')} {config.prefetch_mult}: predicts num_experts_per_tok="
+                          f"{top_k} x {config.prefetch_mult} experts of a layer's {plan.num_experts}; at most "
+                          f"{plan.num_experts // top_k}")
+    if config.pin_hot and config.pin_hot > plan.slots - top_k:
+        raise ConfigError(f"{_flag_of(args, 'pin_hot')} {config.pin_hot}: the pool holds {plan.slots} experts per "
+                          f"layer and num_experts_per_tok={top_k} must stay unpinned; at most {plan.slots - top_k}")
+    if args.command == "evaluate":
+        from .checkpoint.safetensors import read_header
+        from .harness.evaluate import HELDOUT_FILE
+
+        heldout = Path(_model_dir(args)) / HELDOUT_FILE
+        tokens = read_header(heldout).get("tokens") if heldout.is_file() else None
+        if tokens is not None and tokens.shape:
+            sequences = tokens.shape[0]
+            for dest in ("loss_sequences", "prompts"):
+                if getattr(args, dest) > sequences:
+                    raise ConfigError(f"{_flag_of(args, dest)} {getattr(args, dest)}: {heldout} holds {sequences} "
+                                      f"held-out sequences")
 
 
 def _model_dir(args) -> Path:
@@ -152,18 +409,23 @@ def _suite_baseline(path: str, unit: str) -> dict:
 
 
 def _write_json(path: str, result) -> None:
-    Path(path).write_text(json.dumps(result, indent=2))
+    try:
+        Path(path).write_text(json.dumps(result, indent=2))
+    except OSError as exc:
+        raise OutputError(f"--json {path}: cannot write it ({exc.strerror})") from None
 
 
 def cmd_synth(args) -> None:
     if args.arch:
         from .harness.arch_synth import synth_arch
 
+        if args.layers is not None:
+            raise ConfigError("--layers: applies to the Qwen3-Next presets; an --arch checkpoint has its own layers")
         print(synth_arch(args.out, args.arch, seed=args.seed))
         return
     from .harness.synth import synth_checkpoint
 
-    print(synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout))
+    print(synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout, layers=args.layers))
 
 
 def cmd_generate(args) -> None:
@@ -217,8 +479,8 @@ def cmd_serve(args) -> None:
 
 def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling (mlx-lm's sampler)")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
-                   help=f"tokens per answer (default {max_tokens})")
+    g.add_argument("--max-tokens", type=int, metavar="N", help=f"tokens per answer (default {max_tokens})")
+    p.set_defaults(config_defaults={"max_tokens": max_tokens})
     g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy (default 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
 
@@ -238,7 +500,12 @@ def cmd_plan(args) -> None:
         from .cache.trace import curve, read_trace
         from .harness.report import trace_table
 
-        rows = curve(read_trace(args.trace), args.disk_gbps * 1e9, args.pin_hot or 0)
+        trace = read_trace(args.trace)
+        most = trace["num_experts"] - trace["top_k"]
+        if not 0 <= (args.pin_hot or 0) <= most:
+            raise ConfigError(f"--pin-hot {args.pin_hot}: the trace's model has {trace['num_experts']} experts per "
+                              f"layer and routes {trace['top_k']} per token; pin 0 to {most}")
+        rows = curve(trace, args.disk_gbps * 1e9, args.pin_hot or 0)
         print(trace_table(rows, args.disk_gbps, args.pin_hot or 0))
         if args.plot:
             from .harness.curve_plot import write_plot
@@ -255,10 +522,12 @@ def _plan_of(args):
     """The memory plan of the model this command builds, the MTP head included where it loads one."""
     from .model import plan_memory
 
-    model_dir, config = _model_dir(args), _config(args)
-    if args.command in WITH_HEAD:
-        config = _with_head(model_dir, config)
-    return plan_memory(model_dir, config)
+    if getattr(args, "plan", None) is None:
+        model_dir, config = _model_dir(args), _config(args)
+        if args.command in WITH_HEAD:
+            config = _with_head(model_dir, config)
+        args.plan = plan_memory(model_dir, config)
+    return args.plan
 
 
 def _with_head(model_dir, config):
@@ -271,12 +540,17 @@ BUILDS = ("generate", "bench", "chat", "serve", "evaluate")
 WITH_HEAD = ("bench", "evaluate", "plan", "serve")
 
 
+def _configured(args) -> bool:
+    """Whether the command runs on a StreamingConfig and a model's memory plan (checked before it starts)."""
+    if args.command == "plan":
+        return not args.trace
+    return args.command in BUILDS and not getattr(args, "gate_power_replay", None)
+
+
 def cmd_bench(args) -> None:
     from .harness import bench
 
-    if args.gate_power_baseline and not args.gate_power_replay:
-        raise ConfigError(f"--gate-power-baseline {args.gate_power_baseline}: only with --gate-power-replay FILE")
-    if args.processes:
+    if args.processes is not None:
         result = bench.noise_floor(_without(args.argv, ("--processes", "--json", "--dump-ids")), args.processes)
         print(json.dumps(result, indent=2))
     elif args.io:
@@ -365,7 +639,7 @@ def cmd_extract_mtp(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="mlx-streaming", description=DESCRIPTION)
+    parser = _Parser(prog="mlx-streaming", description=DESCRIPTION, epilog=ENV_HELP)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -390,9 +664,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", metavar="FILE.png", help="draw the curve into this PNG (needs the plot extra: matplotlib)")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("bench", help="decode tok/s and expert traffic: greedy vs MTP speculation, and more",
-                       description="Decode tok/s and expert traffic on one streaming model: greedy and MTP speculative "
-                                   "decoding side by side (default), or one of the reports below.")
+    p = sub.add_parser("bench", help="streaming vs mlx-lm's in-memory model: tok/s, hit rate, bytes read, memory",
+                       description="By default: the model streamed from disk through a bounded pool (--pool-fraction "
+                                   f"{BENCH_DEFAULTS['pool_fraction']} with --io-mode {BENCH_DEFAULTS['io_mode']} "
+                                   "unless a pool size or io mode is given), greedy and MTP speculative decoding, "
+                                   "beside mlx-lm's in-memory model: tok/s, x in-memory, hit rate, bytes read, "
+                                   "memory, ids equal. Or one of the reports below.")
     _add_model_options(p)
     _add_generation_options(p)
     g = p.add_argument_group("speculation and timing")
@@ -408,7 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pin-cal-tokens", type=int, metavar="N",
                    help=f"tokens of the pin-hot calibration run (default {DEFAULTS.pin_cal_tokens})")
     g.add_argument("--dump-ids", metavar="FILE", help="write the greedy and speculative ids to this JSON file")
-    g.add_argument("--compare-inmemory", action="store_true", help="also time mlx-lm's in-memory model in this process")
+    g.add_argument("--compare-inmemory", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time mlx-lm's in-memory model in this process, the default benchmark's first row "
+                        "(default on; --no-compare-inmemory skips it)")
     g.add_argument("--json", metavar="FILE", help="write the full result here")
     reports = p.add_argument_group("reports (one at a time)")
     modes = reports.add_mutually_exclusive_group()
@@ -470,8 +749,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synth", help="write a synthetic checkpoint (Qwen3-Next presets, or any supported --arch)",
                        description="Write a synthetic checkpoint (random weights, real layout). --out must be a new or "
                                    "empty folder, or one synth wrote before (then it is replaced).")
-    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "medium"),
-                   help="size: tiny (~10 MB), small (~380 MB), medium (~2.8 GB) (default tiny)")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "medium", "qwen3-next-80b"),
+                   help="size: tiny (~10 MB), small (~380 MB), medium (~2.8 GB), or qwen3-next-80b: "
+                        "Qwen3-Next-80B-A3B's published config at full size (~45 GB, written as a stream in "
+                        "minutes, mlx layout only) (default tiny)")
+    p.add_argument("--layers", type=int, metavar="N",
+                   help="N decoder layers instead of the preset's, every per-layer shape kept (at least 4: "
+                        "every 4th layer is full attention, and the model needs one)")
     p.add_argument("--out", type=Path, metavar="DIR", required=True, help="the folder to write")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives byte-identical files (default 0)")
     p.add_argument("--layout", default="mlx", choices=("mlx", "hf"),
@@ -533,11 +817,25 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         args.argv = argv[argv.index(args.command) + 1:]
         args.flags = _flags(parser, args.command)
-        if args.command in BUILDS and not (getattr(args, "processes", None) or getattr(args, "gate_power_replay", None)):
-            _say(_with_flags(_plan_of(args).describe(), args.flags))
+        check_input(args)
+        if _configured(args):
+            config = _config(args)
+            check_config(args, config)
+            plan = _plan_of(args)
+            check_against_model(args, config, plan)
+            used = _bench_defaults_used(args, config)
+            if used:
+                _say(f"mlx-streaming bench: {', '.join(f'{_flag_of(args, n)} {getattr(config, n)}' for n in used)}: "
+                     f"the benchmark's default, beside mlx-lm's in-memory model (--pool-fraction 1 keeps every "
+                     f"expert resident, --io-mode buffered reads through the page cache)")
+            if args.command in BUILDS and getattr(args, "processes", None) is None:
+                _say(_with_flags(plan.describe(), args.flags))
         args.func(args)
     except StreamingError as exc:
         print(f"mlx-streaming {args.command}: error: {_with_flags(str(exc), args.flags)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file that changed under the checks above: still one line
+        print(f"mlx-streaming {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nmlx-streaming: interrupted", file=sys.stderr)
