@@ -22,8 +22,8 @@ def test_full_pool_logits_are_bit_identical(streaming_model, oracle, prompt_ids)
 
 
 @pytest.mark.parametrize("io_mode", ["buffered", "direct"])
-def test_minimum_pool_greedy_ids_match(model_dir, reference_model, oracle, prompt_ids, io_mode):
-    top_k = reference_model.args.num_experts_per_tok
+def test_minimum_pool_greedy_ids_match(model_dir, streaming_model, oracle, prompt_ids, io_mode):
+    top_k = streaming_model.store.top_k
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=top_k, io_mode=io_mode)) as sm:
         for prompt, ids in enumerate(prompt_ids[:3]):
             assert greedy_generate(sm.model, ids, 64) == oracle.ids(prompt, 64)

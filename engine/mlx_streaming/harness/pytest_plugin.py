@@ -50,6 +50,10 @@ def pytest_addoption(parser):
     group.addoption("--streaming-perf-threshold", type=float, default=None,
                     help="the slowdown the perf gate tolerates before failing, when it is also statistically clear "
                          "(default: each scenario's own, set from the power study: see docs/perf-gate.md)")
+    group.addoption("--streaming-record-reference", action="store_true", default=False,
+                    help="record the greedy oracle's ids and top-2 margins for the test prompts into "
+                         "baselines/references/ (in memory where the model fits, else layer by layer), for checking "
+                         "a model the machine cannot hold in memory")
     group.addoption("--streaming-perf-base", default=None, metavar="REV",
                     help="measure git revision REV's engine on this machine, round for round beside the current tree's, "
                          "and judge speed against it (default: only where the stored baseline's machine profile "
@@ -185,11 +189,51 @@ def mtp_path(request, model_dir) -> Path:
     return Path(chosen) if chosen else model_dir / "mtp.safetensors"
 
 
-@pytest.fixture(scope="session")
-def streaming_config(request):
-    from ..config import StreamingConfig
+#: What a process holding mlx-lm's in-memory model needs besides its weights (Python, MLX, caches), and the
+#: share of the weights it adds (tokenizer, logits, temporary arrays).
+IN_MEMORY_OVERHEAD_BYTES = 1 << 30
+IN_MEMORY_WEIGHTS_FACTOR = 1.2
 
-    return StreamingConfig(pool_slots=request.config.getoption("--streaming-pool-slots"), io_mode=request.config.getoption("--streaming-io-mode"))
+
+def _workers(config) -> int:
+    """Processes of this session that each build their own models (pytest-xdist workers, else 1)."""
+    return int(getattr(config, "workerinput", {}).get("workercount", 1))
+
+
+class MemoryPlan:
+    """Whether mlx-lm's in-memory model of ``model_dir`` fits in what this process may take (the machine's
+    available memory, or its memory cgroup's limit), decided before anything is loaded; each xdist worker loads
+    its own, so each gets its share."""
+
+    def __init__(self, model_dir: Path, workers: int):
+        from .. import cgroup
+        from ..config import format_size
+        from .reference import model_bytes
+
+        self.available = cgroup.available_bytes() // workers
+        self.needed = int(model_bytes(model_dir) * IN_MEMORY_WEIGHTS_FACTOR) + IN_MEMORY_OVERHEAD_BYTES
+        self.fits = self.needed <= self.available
+        per = f" per worker of {workers}" if workers > 1 else ""
+        self.why_not = (f"mlx-lm's in-memory model of {model_dir} needs about {format_size(self.needed)}, "
+                        f"{format_size(self.available)} available{per} (memory limits included)")
+
+
+@pytest.fixture(scope="session")
+def memory_plan(request, model_dir) -> MemoryPlan:
+    return MemoryPlan(model_dir, _workers(request.config))
+
+
+@pytest.fixture(scope="session")
+def streaming_config(request, memory_plan):
+    """The suite's engine settings. With no pool option, every expert is resident where the in-memory model
+    fits; where it does not, the streaming models the suite builds (the model, and the model with its MTP head)
+    share the memory budget this process may take."""
+    from ..config import StreamingConfig
+    from ..plan import AUTO_BUDGET_SHARE
+
+    slots = request.config.getoption("--streaming-pool-slots")
+    budget = None if slots or memory_plan.fits else int(memory_plan.available * AUTO_BUDGET_SHARE / 2)
+    return StreamingConfig(pool_slots=slots, memory_budget=budget, io_mode=request.config.getoption("--streaming-io-mode"))
 
 
 @pytest.fixture(scope="session")
@@ -210,10 +254,13 @@ def mtp_model(model_dir, mtp_path, streaming_config):
 
 
 @pytest.fixture(scope="session")
-def reference_model(model_dir):
-    """mlx-lm's own in-memory model on the same checkpoint: the oracle."""
+def reference_model(model_dir, memory_plan):
+    """mlx-lm's own in-memory model on the same checkpoint: the oracle. Where it does not fit, the tests that
+    need it are skipped, saying why, before anything is loaded (never killed by the kernel)."""
     import mlx_lm
 
+    if not memory_plan.fits:
+        pytest.skip(f"{memory_plan.why_not}: the checks that need it are skipped")
     model, _ = mlx_lm.load(str(model_dir))
     return model
 
@@ -276,6 +323,8 @@ class GreedyOracle:
 
     Under pytest-xdist the first worker to ask for a prompt computes it (under a per-prompt lock file in the
     session's shared temp folder) and the other workers load what it wrote: the bf16 logits bit for bit."""
+
+    kind = "mlx-lm in memory, live"
 
     def __init__(self, reference_model, prompt_ids, folder: Path):
         self.reference_model, self.prompt_ids, self.folder = reference_model, prompt_ids, folder
@@ -342,12 +391,61 @@ class _file_lock:
 
 
 @pytest.fixture(scope="session")
-def oracle(request, reference_model, prompt_ids, tmp_path_factory) -> GreedyOracle:
-    """The greedy oracle of ``TEST_PROMPTS`` (see ``GreedyOracle``), shared by every test and every xdist
-    worker of the session (workers' temp folders sit in one folder per session; a lone process's is its own)."""
+def oracle(request, model_dir, memory_plan, prompt_ids, tmp_path_factory):
+    """The greedy oracle of ``TEST_PROMPTS``: live on mlx-lm's in-memory model where it fits (``GreedyOracle``,
+    shared by every test and every xdist worker of the session: workers' temp folders sit in one folder per
+    session; a lone process's is its own), else the recorded reference of this model
+    (``reference.RecordedOracle``), else the tests that need one are skipped, saying why. With
+    ``--streaming-record-reference`` the oracle's answers are recorded first."""
+    from . import reference
+
+    path = reference.reference_path(request.config.rootpath, model_dir)
     base = tmp_path_factory.getbasetemp()
-    folder = base.parent if hasattr(request.config, "workerinput") else base
-    return GreedyOracle(reference_model, prompt_ids, folder)
+    session_folder = base.parent if hasattr(request.config, "workerinput") else base
+    if request.config.getoption("--streaming-record-reference"):
+        with _file_lock(session_folder / "reference.lock"):  # one recording per session, whatever the workers
+            if not (session_folder / "reference.recorded").exists():
+                _record_reference(request, path, model_dir, memory_plan, prompt_ids, session_folder)
+                (session_folder / "reference.recorded").touch()
+    if memory_plan.fits:
+        return GreedyOracle(request.getfixturevalue("reference_model"), prompt_ids, session_folder)
+    if not path.exists():
+        pytest.skip(f"{memory_plan.why_not}, and no recorded reference ({path}): record one with "
+                    "--streaming-record-reference")
+    return reference.RecordedOracle(path, model_dir, TEST_PROMPTS)
+
+
+ORACLE_KEY = "oracle"
+
+
+@pytest.fixture(autouse=True)
+def _name_the_oracle(request):
+    """Each test that uses the oracle says which (``ORACLE_KEY``), for the report, under pytest-xdist too."""
+    if _acting(request.config) and "oracle" in request.fixturenames:
+        request.node.user_properties.append((ORACLE_KEY, request.getfixturevalue("oracle").kind))
+    yield
+
+
+def _record_reference(request, path: Path, model_dir: Path, memory_plan, prompt_ids, folder: Path) -> None:
+    """The greedy oracle's ids and margins for every test prompt, ``ORACLE_TOKENS`` steps, into ``path``: mlx-lm's
+    in-memory model where it fits, else mlx-lm's model computed layer by layer (one layer's weights in memory)."""
+    from . import reference
+    from ..generate import top2_margin
+
+    if memory_plan.fits:
+        live = GreedyOracle(request.getfixturevalue("reference_model"), prompt_ids, folder)
+        runs = [{"ids": live.ids(p, ORACLE_TOKENS), "margins": [list(m) for m in live.margins(p, ORACLE_TOKENS)]}
+                for p in range(len(prompt_ids))]
+        kind = "mlx-lm in memory"
+    else:
+        from . import layerwise_oracle
+
+        runs = []
+        for ids in prompt_ids:
+            got, margins = layerwise_oracle.greedy(model_dir, ids, ORACLE_TOKENS)
+            runs.append({"ids": got, "margins": [list(m) for m in margins]})
+        kind = "mlx-lm layer by layer"
+    reference.write(path, model_dir, kind, TEST_PROMPTS, runs)
 
 
 EXACTNESS_KEY = "exactness"
@@ -368,6 +466,11 @@ def pytest_terminal_summary(terminalreporter):
         if key == EXACTNESS_KEY
     ]
     _report_perf_gate(terminalreporter)
+    oracles = sorted({value for reports in terminalreporter.stats.values() for report in reports
+                      for key, value in getattr(report, "user_properties", ()) if key == ORACLE_KEY})
+    if oracles:
+        terminalreporter.section("mlx-streaming oracle")
+        terminalreporter.write_line("greedy oracle: " + "; ".join(oracles))
     if not rows:
         return
     from tabulate import tabulate
