@@ -39,3 +39,26 @@ def test_no_memory_cgroup_is_said_in_one_line(monkeypatch):
     monkeypatch.setattr(cgroup, "_own_group", lambda: None)
     with pytest.raises(cgroup.LimitUnavailable, match="no memory cgroup here .*the machine's own memory is the limit"):
         cgroup.limited_run(["true"], 100 * MB)
+
+
+def _cli(*args):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "mlx_streaming", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_limit_command_says_the_peak_and_passes_the_exit_status_on():
+    killed = _cli("limit", "--memory", "200M", "--", sys.executable, "-c", f"x = bytearray({300 * MB})")
+    if "no memory cgroup" in killed.stderr or "cannot create a memory cgroup" in killed.stderr:
+        pytest.skip(killed.stderr.strip())
+    assert killed.returncode == 137 and "killed by the kernel for memory" in killed.stderr
+    ran = _cli("limit", "--memory", "300M", "--", sys.executable, "-c", "print('ran')")
+    assert ran.returncode == 0 and ran.stdout == "ran\n"
+    assert "peak" in ran.stderr and "under a 300.0 MB limit" in ran.stderr and "exit status 0" in ran.stderr
+
+
+@pytest.mark.parametrize("args, said", [((), "give the command to run after --"),
+                                         (("--", "no-such-command-here"), "no-such-command-here: no such command")])
+def test_the_limit_command_refuses_in_one_line(args, said):
+    done = _cli("limit", "--memory", "300M", *args)
+    assert done.returncode == 2 and said in done.stderr and len(done.stderr.splitlines()) == 1

@@ -141,9 +141,11 @@ def _remove(files: Files) -> None:
             time.sleep(0.05)
 
 
-def limited_run(argv: Sequence[str], limit_bytes: int, timeout: Optional[float] = None, **popen) -> LimitedRun:
+def limited_run(argv: Sequence[str], limit_bytes: int, timeout: Optional[float] = None, capture: bool = True,
+                **popen) -> LimitedRun:
     """Run ``argv`` in a new memory cgroup of ``limit_bytes`` (its own child of this process's group) and wait:
-    the kernel kills it if it grows past the limit. Raises ``LimitUnavailable`` where no limit can be set."""
+    the kernel kills it if it grows past the limit. ``capture``: keep its output (else it goes where this
+    process's goes). Raises ``LimitUnavailable`` where no limit can be set."""
     files = _make_group(limit_bytes)
     procs = str(files.folder / "cgroup.procs")
 
@@ -152,7 +154,8 @@ def limited_run(argv: Sequence[str], limit_bytes: int, timeout: Optional[float] 
             f.write(str(os.getpid()))
 
     try:
-        done = subprocess.run(list(argv), preexec_fn=enter, capture_output=True, text=True, timeout=timeout, **popen)
+        done = subprocess.run(list(argv), preexec_fn=enter, capture_output=capture, text=True, timeout=timeout,
+                              **popen)
         peak = files.read(files.peak)
         killed = done.returncode == -signal.SIGKILL and _oom_killed(files)
         return LimitedRun(done.returncode, limit_bytes, peak, killed, done.stdout, done.stderr)

@@ -630,6 +630,27 @@ def cmd_checksum(args) -> None:
         print(write_manifest(folder_index, folder, "checksum"))
 
 
+def cmd_limit(args) -> None:
+    from . import cgroup
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        raise ConfigError("give the command to run after --, e.g. limit --memory 4G -- mlx-streaming generate")
+    if args.memory < 1 << 20:
+        raise ConfigError(f"--memory {args.memory}: a limit below 1 MB leaves nothing to start a process with")
+    try:
+        run = cgroup.limited_run(command, args.memory, capture=False)
+    except cgroup.LimitUnavailable as exc:
+        raise ConfigError(f"--memory: {exc}") from None
+    except FileNotFoundError:
+        raise ConfigError(f"{command[0]}: no such command") from None
+    peak = "unknown" if run.peak_bytes is None else format_size(run.peak_bytes)
+    ended = "killed by the kernel for memory" if run.killed_for_memory else f"exit status {run.returncode}"
+    _say(f"mlx-streaming limit: peak {peak} under a {format_size(args.memory)} limit (the memory cgroup's maximum "
+         f"usage: resident memory and page cache); {ended}")
+    raise SystemExit(run.returncode if run.returncode >= 0 else 128 - run.returncode)
+
+
 def cmd_extract_mtp(args) -> None:
     from .checkpoint.mtp_extract import extract_mtp
 
@@ -792,6 +813,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="quantization group size, as mlx_lm.convert's option of that name (default 64)")
     p.set_defaults(func=cmd_extract_mtp)
+
+    p = sub.add_parser("limit", help="run a command under a hard memory limit and say its peak memory",
+                       description="Run COMMAND in a memory cgroup of --memory bytes (Linux; root or a delegated "
+                                   "cgroup): the kernel kills it if it grows past the limit. Then say its peak "
+                                   "memory (the cgroup's maximum usage) and exit with its exit status. Example: "
+                                   "mlx-streaming limit --memory 4G -- pytest -m exact --streaming-model DIR")
+    p.add_argument("--memory", type=_size, metavar="SIZE", required=True, help="the limit, e.g. 4G")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the command and its arguments")
+    p.set_defaults(func=cmd_limit)
     return parser
 
 

@@ -11,19 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import psutil
-
+from . import cgroup
 from .config import StreamingConfig, format_size
 from .errors import PoolTooSmallError
 
-#: ``--memory-budget auto``: this share of the memory the OS reports available when the command starts (the
-#: rest is the margin left to the OS and other programs).
+#: ``--memory-budget auto``: this share of the memory the process may take when the command starts (the rest is
+#: the margin left to the OS and other programs).
 AUTO_BUDGET_SHARE = 0.8
 
 
 def auto_memory_budget() -> int:
-    """``AUTO_BUDGET_SHARE`` of the memory available now (psutil)."""
-    return int(psutil.virtual_memory().available * AUTO_BUDGET_SHARE)
+    """``AUTO_BUDGET_SHARE`` of the memory this process may take now: the machine's available memory, or what
+    its memory cgroup's limit leaves, whichever is less (``cgroup.available_bytes``)."""
+    return int(cgroup.available_bytes() * AUTO_BUDGET_SHARE)
 
 
 def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_bytes: int, moe_layers: int,
