@@ -49,13 +49,18 @@ def plant_s():
 
 
 @pytest.fixture(scope="module")
-def yardstick(reference_model, prompt_ids, perf):
-    """The yardstick round: greedy on mlx-lm's in-memory model, the prompt every scenario decodes."""
-    return perf_rounds.greedy_round(reference_model, prompt_ids[0], perf["tokens"])
+def yardstick(perf_yardstick, perf):
+    """The yardstick round: greedy on mlx-lm's in-memory model, of this model where it fits (the prompt every
+    scenario decodes), else of the embedded default model (``perf_rounds.Yardstick``)."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(perf_yardstick.model)
+    return perf_rounds.greedy_round(model, perf_yardstick.prompt, perf["tokens"])
 
 
 @pytest.fixture
-def run_scenario(benchmark, yardstick, model_dir, mtp_path, streaming_config, prompt_ids, perf, plant_s, perf_base):
+def run_scenario(benchmark, yardstick, perf_yardstick, model_dir, mtp_path, streaming_config, prompt_ids, perf, plant_s,
+                 perf_base):
     """``run_scenario(name)``: ``benchmark.pedantic`` over the scenario's rounds on a newly built model, each after
     its yardstick round (and, side by side, after a round of the base revision's engine). Records each round's
     token costs and its yardstick's in the gate's unit, the wall seconds, the first timed round's work counters,
@@ -93,7 +98,7 @@ def run_scenario(benchmark, yardstick, model_dir, mtp_path, streaming_config, pr
         benchmark.extra_info.update(
             unit=rounds.unit, costs=[r["costs"] for r in timed], yard_costs=yard_costs,
             wall_s_per_token=[r["wall"] for r in timed], tokens=perf["tokens"], counters=timed[0]["counters"],
-            exact=list(scenario.exact), threshold=threshold)
+            exact=list(scenario.exact), threshold=threshold, yardstick=perf_yardstick.label)
         if perf_base.engine is not None and all(base):
             benchmark.extra_info["base"] = {"costs": [r["costs"] for r in base],
                                             "yard_costs": [r["yard_costs"] for r in base],

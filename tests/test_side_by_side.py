@@ -58,7 +58,7 @@ def test_a_base_whose_native_extension_does_not_build_is_refused_and_leaves_noth
     if not native.NATIVE:
         pytest.skip("this install runs the pure-Python twins, so the base's extension is not built either")
     with pytest.raises(BaseUnavailable, match=r"^cannot build the native extension of base revision [0-9a-f]{10}: "):
-        BaseEngine(tiny_repo, "HEAD", Path("."), Path("."), [1], 4, {})
+        BaseEngine(tiny_repo, "HEAD", Path("."), Path("."), [1], 4, {}, {})
     assert list(private_tmp.iterdir()) == []
 
 
@@ -86,7 +86,7 @@ import sys
 from pathlib import Path
 from mlx_streaming.harness.side_by_side import BaseEngine
 with BaseEngine(Path({str(pytestconfig.rootpath)!r}), "HEAD", Path({str(model_dir)!r}), Path({str(mtp_path)!r}),
-                [1, 2, 3], 4, {{"io_mode": "buffered"}}) as base:
+                [1, 2, 3], 4, {{"io_mode": "buffered"}}, {{"model": {str(model_dir)!r}, "prompt": [1, 2, 3]}}) as base:
     base.scenario("greedy_quarter_pool_direct")
     r = base.round()
     assert len(r["costs"]) == 2 and len(r["yard_costs"]) == 2 and r["counters"]["routed"] > 0, r

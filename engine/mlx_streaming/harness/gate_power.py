@@ -143,10 +143,10 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
     runs then draw ``ROUNDS`` of each from them (``replay``)."""
     import mlx_lm
 
+    from .reference import InMemoryPlan
     from .side_by_side import BaseEngine
 
     unit = perf_rounds.cost_unit()
-    reference, _ = mlx_lm.load(str(model_dir))
     mtp_path = Path(model_dir) / "mtp.safetensors"
     engine_config = {"io_mode": config.io_mode, "pool_slots": config.pool_slots}
     plan = dict(zip(SCENARIOS, ("greedy_full_pool", "greedy_quarter_pool_direct")))
@@ -154,9 +154,11 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
     pools = {f"{c} +{f:.0%}": {} for c in ("quiet", "busy") for f in fractions}
     bases = {name: {} for name in pools}
     cost = {}
-    with BaseEngine(repo, rev, model_dir, mtp_path, _prompt(model_dir, config), tokens, engine_config) as base:
-        prompt = _prompt(model_dir, config)
-        yardstick = perf_rounds.greedy_round(reference, prompt, tokens)
+    prompt = _prompt(model_dir, config)
+    chosen = perf_rounds.Yardstick.choose(model_dir, prompt, InMemoryPlan(model_dir).fits)
+    reference, _ = mlx_lm.load(chosen.model)
+    with BaseEngine(repo, rev, model_dir, mtp_path, prompt, tokens, engine_config, chosen.as_dict()) as base:
+        yardstick = perf_rounds.greedy_round(reference, chosen.prompt, tokens)
         for scenario, name in plan.items():
             definition = perf_rounds.SCENARIOS[name]
             sm = perf_rounds.build(model_dir, mtp_path, config, definition)
@@ -191,7 +193,7 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
                 sm.close()
         commit = base.commit
     recorded = {"unit": unit, "cost_per_token": cost, "tokens": tokens, "pools": pools, "bases": bases,
-                "base_revision": commit}
+                "base_revision": commit, "yardstick": chosen.label}
     return replay(recorded, runs)
 
 
@@ -239,7 +241,7 @@ def replay(recorded: Dict, runs: int = 300, baseline: Dict = None) -> Dict:
                              / perf_gate.relative_cost(*map(perf_gate.as_rounds, base[s]))) for s in SCENARIOS}
         rows.append({"condition": condition, "planted": float(planted.rstrip("%")) / 100, "fail_rate": rate,
                      "by_check": by_check, "measured_ratio": measured})
-    keep = ("unit", "cost_per_token", "tokens", "baseline", "pools", "bases", "base_revision")
+    keep = ("unit", "cost_per_token", "tokens", "baseline", "pools", "bases", "base_revision", "yardstick")
     if beside:
         against = f"base revision {recorded['base_revision'][:10]} measured beside each pool (side by side)"
     else:

@@ -149,6 +149,33 @@ def scenario_round(sm, scenario: Scenario, prompt, tokens: int) -> Callable[[str
     return decode
 
 
+@dataclass(frozen=True)
+class Yardstick:
+    """Whose in-memory greedy decode the yardstick rounds run: the model's own where mlx-lm's in-memory model
+    fits, else the embedded default model's (a model of the same kind that fits anywhere), with its prompt."""
+    model: str
+    prompt: list
+    label: str
+
+    @classmethod
+    def choose(cls, model_dir, prompt, fits: bool) -> "Yardstick":
+        if fits:
+            return cls(str(model_dir), list(prompt), "mlx-lm in memory, this model")
+        from mlx_lm.utils import load_tokenizer
+        from mlx_streaming.defaults import default_model
+
+        default = default_model()
+        return cls(str(default), load_tokenizer(default).encode(YARDSTICK_PROMPT),
+                   "mlx-lm in memory, the embedded default model (this model does not fit in memory)")
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "prompt": self.prompt}
+
+
+#: The prompt of a yardstick on the embedded default model.
+YARDSTICK_PROMPT = "def fibonacci(n):"
+
+
 class Rounds:
     """One scenario's rounds on one engine, each after its yardstick round: the same protocol in the perf suite
     (in process) and in the base worker (``--worker``)."""
@@ -181,7 +208,8 @@ class Rounds:
 
 def _worker() -> None:
     """The base worker: requests on stdin, one JSON answer per line on the stdout it was given (the engine's
-    own prints go to stderr). Requests: ``{"model", "mtp", "prompt", "tokens", "config"}`` first, then
+    own prints go to stderr). Requests: ``{"model", "mtp", "prompt", "tokens", "config", "yardstick": {"model",
+    "prompt"}}`` first, then
     ``{"scenario": name}`` (builds and warms up), ``{"round": true}`` (a yardstick round, then a timed round)."""
     from pathlib import Path
 
@@ -199,8 +227,8 @@ def _worker() -> None:
         setup = json.loads(sys.stdin.readline())
         model_dir, mtp_path = Path(setup["model"]), Path(setup["mtp"])
         prompt, tokens = setup["prompt"], setup["tokens"]
-        reference = mlx_lm.load(str(model_dir))[0]
-        yardstick = greedy_round(reference, prompt, tokens)
+        reference = mlx_lm.load(setup["yardstick"]["model"])[0]
+        yardstick = greedy_round(reference, setup["yardstick"]["prompt"], tokens)
         config = StreamingConfig(**setup["config"])
         say({"engine": str(Path(mlx_streaming.__file__).parent)})
         rounds, counted = None, False

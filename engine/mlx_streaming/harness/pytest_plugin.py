@@ -170,7 +170,8 @@ def pytest_sessionfinish(session, exitstatus):
         recorded = "none stored (counters not judged)"
     if mode is None:
         mode = "stored: costs against the stored rounds" if same else "counters only: another machine profile"
-    config._mlx_perf_gate = (rows, recorded, mode)
+    yardsticks = sorted({info.get("yardstick", "mlx-lm in memory, this model") for info in current.values()})
+    config._mlx_perf_gate = (rows, recorded, mode, "; ".join(yardsticks))
     if any(row.fail for row in rows):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -189,38 +190,25 @@ def mtp_path(request, model_dir) -> Path:
     return Path(chosen) if chosen else model_dir / "mtp.safetensors"
 
 
-#: What a process holding mlx-lm's in-memory model needs besides its weights (Python, MLX, caches), and the
-#: share of the weights it adds (tokenizer, logits, temporary arrays).
-IN_MEMORY_OVERHEAD_BYTES = 1 << 30
-IN_MEMORY_WEIGHTS_FACTOR = 1.2
-
-
 def _workers(config) -> int:
     """Processes of this session that each build their own models (pytest-xdist workers, else 1)."""
     return int(getattr(config, "workerinput", {}).get("workercount", 1))
 
 
-class MemoryPlan:
-    """Whether mlx-lm's in-memory model of ``model_dir`` fits in what this process may take (the machine's
-    available memory, or its memory cgroup's limit), decided before anything is loaded; each xdist worker loads
-    its own, so each gets its share."""
+@pytest.fixture(scope="session")
+def memory_plan(request, model_dir):
+    """Whether mlx-lm's in-memory model of the suite's model fits (``reference.InMemoryPlan``)."""
+    from .reference import InMemoryPlan
 
-    def __init__(self, model_dir: Path, workers: int):
-        from .. import cgroup
-        from ..config import format_size
-        from .reference import model_bytes
-
-        self.available = cgroup.available_bytes() // workers
-        self.needed = int(model_bytes(model_dir) * IN_MEMORY_WEIGHTS_FACTOR) + IN_MEMORY_OVERHEAD_BYTES
-        self.fits = self.needed <= self.available
-        per = f" per worker of {workers}" if workers > 1 else ""
-        self.why_not = (f"mlx-lm's in-memory model of {model_dir} needs about {format_size(self.needed)}, "
-                        f"{format_size(self.available)} available{per} (memory limits included)")
+    return InMemoryPlan(model_dir, _workers(request.config))
 
 
 @pytest.fixture(scope="session")
-def memory_plan(request, model_dir) -> MemoryPlan:
-    return MemoryPlan(model_dir, _workers(request.config))
+def perf_yardstick(model_dir, memory_plan, prompt_ids):
+    """Whose in-memory decode the perf gate's yardstick rounds run (``perf_rounds.Yardstick``)."""
+    from .perf_rounds import Yardstick
+
+    return Yardstick.choose(model_dir, prompt_ids[0], memory_plan.fits)
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +274,7 @@ class PerfBase:
 
 
 @pytest.fixture(scope="session")
-def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids):
+def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids, perf_yardstick):
     """The base revision's engine beside the current tree (``side_by_side``), where the gate compares side by
     side; it goes (worker stopped, exported tree removed) when the session ends, Ctrl-C included."""
     from .side_by_side import BaseEngine, BaseUnavailable
@@ -303,7 +291,7 @@ def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids):
     engine_config = {"io_mode": streaming_config.io_mode, "pool_slots": streaming_config.pool_slots}
     try:
         engine = BaseEngine(config.rootpath, rev, model_dir, mtp_path, prompt_ids[0],
-                            config.getoption("--streaming-perf-tokens"), engine_config)
+                            config.getoption("--streaming-perf-tokens"), engine_config, perf_yardstick.as_dict())
     except BaseUnavailable as exc:
         yield PerfBase(config, why_not=str(exc))
         return
@@ -491,10 +479,11 @@ def _report_perf_gate(terminalreporter) -> None:
         return
     from .perf_gate import report
 
-    rows, recorded, mode = gate
+    rows, recorded, mode, yardstick = gate
     terminalreporter.section("mlx-streaming perf gate")
     terminalreporter.write_line(f"mode: {mode}")
     terminalreporter.write_line(f"baseline: {recorded}")
+    terminalreporter.write_line(f"yardstick: {yardstick}")
     failed = any(row.fail for row in rows)
     terminalreporter.write_line(report(rows), red=failed)
     terminalreporter.write_line("PERF GATE FAILED" if failed else "perf gate passed", red=failed, green=not failed)

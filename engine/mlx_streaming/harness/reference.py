@@ -26,6 +26,29 @@ def model_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors") if p.name.startswith("model"))
 
 
+#: What a process holding mlx-lm's in-memory model needs besides its weights (Python, MLX, caches), and the
+#: share of the weights it adds (tokenizer, logits, temporary arrays).
+IN_MEMORY_OVERHEAD_BYTES = 1 << 30
+IN_MEMORY_WEIGHTS_FACTOR = 1.2
+
+
+class InMemoryPlan:
+    """Whether mlx-lm's in-memory model of ``model_dir`` fits in what this process may take (the machine's
+    available memory, or its memory cgroup's limit), decided before anything is loaded; ``workers`` processes
+    that each load their own (pytest-xdist) each get their share."""
+
+    def __init__(self, model_dir: Path, workers: int = 1):
+        from .. import cgroup
+        from ..config import format_size
+
+        self.available = cgroup.available_bytes() // workers
+        self.needed = int(model_bytes(model_dir) * IN_MEMORY_WEIGHTS_FACTOR) + IN_MEMORY_OVERHEAD_BYTES
+        self.fits = self.needed <= self.available
+        per = f" per worker of {workers}" if workers > 1 else ""
+        self.why_not = (f"mlx-lm's in-memory model of {model_dir} needs about {format_size(self.needed)}, "
+                        f"{format_size(self.available)} available{per} (memory limits included)")
+
+
 def model_identity(model_dir: Path) -> str:
     """A digest of what makes the model this model: config.json, the expert checksum manifest (every expert's
     CRC32C, where the folder has one) and each weight file's name and size."""

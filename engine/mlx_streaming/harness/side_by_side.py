@@ -91,7 +91,8 @@ class BaseEngine:
     """The base revision's engine in a worker process, measuring the perf scenarios on request. A context
     manager: ``close()`` stops the worker and removes the exported tree."""
 
-    def __init__(self, repo: Path, rev: str, model_dir: Path, mtp_path: Path, prompt, tokens: int, config: dict):
+    def __init__(self, repo: Path, rev: str, model_dir: Path, mtp_path: Path, prompt, tokens: int, config: dict,
+                 yardstick: dict):
         self.rev = rev
         self.commit = resolve(repo, rev)
         self._folder = Path(tempfile.mkdtemp(prefix="mlx-streaming-base-"))
@@ -99,12 +100,12 @@ class BaseEngine:
         try:
             tree = export(repo, self.commit, self._folder / "tree")
             build_native(tree, self.commit)
-            self._start(tree, model_dir, mtp_path, prompt, tokens, config)
+            self._start(tree, model_dir, mtp_path, prompt, tokens, config, yardstick)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, tree: Path, model_dir, mtp_path, prompt, tokens, config) -> None:
+    def _start(self, tree: Path, model_dir, mtp_path, prompt, tokens, config, yardstick) -> None:
         engine = tree / "engine"
         launcher = (f"import runpy, sys; sys.path.insert(0, {str(engine)!r}); sys.argv = [{perf_rounds.__file__!r}, "
                     f"'--worker']; runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -112,7 +113,7 @@ class BaseEngine:
         self._worker = subprocess.Popen([sys.executable, "-c", launcher], cwd=engine, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._log, text=True)
         hello = self._ask({"model": str(Path(model_dir).resolve()), "mtp": str(Path(mtp_path).resolve()),
-                           "prompt": list(prompt), "tokens": tokens, "config": config})
+                           "prompt": list(prompt), "tokens": tokens, "config": config, "yardstick": yardstick})
         if not Path(hello["engine"]).resolve().is_relative_to(engine.resolve()):
             raise BaseUnavailable(f"the base worker imported mlx_streaming from {hello['engine']}, not from base "
                                   f"revision {self.commit[:10]}")
