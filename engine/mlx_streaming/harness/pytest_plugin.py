@@ -216,12 +216,17 @@ def streaming_config(request, memory_plan):
     """The suite's engine settings. With no pool option, every expert is resident where the in-memory model
     fits; where it does not, the streaming models the suite builds (the model, and the model with its MTP head)
     share the memory budget this process may take."""
-    from ..config import StreamingConfig
+    from ..config import DEFAULT_MEMORY_ALLOWANCE, StreamingConfig
     from ..plan import AUTO_BUDGET_SHARE
 
     slots = request.config.getoption("--streaming-pool-slots")
-    budget = None if slots or memory_plan.fits else int(memory_plan.available * AUTO_BUDGET_SHARE / 2)
-    return StreamingConfig(pool_slots=slots, memory_budget=budget, io_mode=request.config.getoption("--streaming-io-mode"))
+    io_mode = request.config.getoption("--streaming-io-mode")
+    if slots or memory_plan.fits:
+        return StreamingConfig(pool_slots=slots, io_mode=io_mode)
+    budget = int(memory_plan.available * AUTO_BUDGET_SHARE / 2)
+    # the allowance for caches and staging scales with the budget where the default would leave no pool
+    return StreamingConfig(memory_budget=budget, memory_allowance=min(DEFAULT_MEMORY_ALLOWANCE, budget // 4),
+                           io_mode=io_mode)
 
 
 @pytest.fixture(scope="session")
