@@ -1,0 +1,348 @@
+"""An exactness oracle that never holds the whole model: mlx-lm's own model, run one part at a time from disk.
+
+The in-memory oracle (``mlx_lm.load`` + greedy decoding) needs the whole checkpoint in memory, which is exactly
+what a larger-than-memory model does not allow. This oracle builds the same model with mlx-lm's own classes
+(``mlx_lm.utils.load_model(path, lazy=True)``: config, quantization, sanitize, its forward code untouched) and
+keeps every parameter an unmaterialized lazy load. Each *part* of the model is:
+
+* each decoder layer (``model.layers[i]``, everything under it), and
+* each other module that holds parameters of its own (Qwen3-Next: ``model.embed_tokens``, ``model.norm``,
+  ``lm_head``).
+
+When mlx-lm's forward calls a part (``__call__``, or ``as_linear`` for a tied embedding), that part's full
+weights are read from the checkpoint's safetensors files (a fresh lazy ``mx.load`` of the shards holding them,
+evaluated: only those tensors' bytes are read), the part runs, its output and the caches handed to it
+(KV caches, Gated-DeltaNet conv / recurrent states) are evaluated (``mx.eval``), and its weights are swapped back
+for the never-evaluated placeholders, so they are freed. At most one part's weights are materialized at a time
+(two where one part calls another, which no supported architecture does). mlx-lm's caches
+(``make_prompt_cache``) carry the state between tokens, so a step costs one read of the whole checkpoint.
+
+The parts are found by walking mlx-lm's module tree and wrapped by giving each part's instance a subclass of
+its own class whose ``__call__`` / ``as_linear`` loads, runs and drops; the model's own ``__call__`` (masks,
+layer order, linear/full attention dispatch) runs as it is. Nothing here touches the engine's pool, slot tables,
+streaming switch or adapters: only the safetensors header reader and ``top2_margin``.
+
+Supported architectures (``SUPPORTED_MODEL_TYPES``): those checked against mlx-lm's in-memory greedy decoding
+(ids and logits bit for bit) with the materialized weights bounded by one part. Any other ``model_type`` is
+refused in one line. The checkpoint must be in MLX layout (what ``mlx_lm.convert`` writes): where mlx-lm's
+``sanitize`` would rewrite a tensor (Hugging Face layout), the oracle refuses rather than rewrite it per part.
+The MTP head is not run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import _BaseCache, make_prompt_cache  # _BaseCache: every mlx-lm cache's base
+
+from ..checkpoint.safetensors import read_checkpoint_headers
+from ..errors import CheckpointError, UnsupportedModelError
+from ..generate import top2_margin
+
+#: The model_types whose layerwise greedy ids and logits were checked equal (bit for bit) to mlx-lm's
+#: in-memory greedy decoding, with no weight materialized outside its part: the project's target (qwen3_next,
+#: the embedded default model) and every architecture of the tiny synthetic checkpoints
+#: (``harness/tiny_archs.json``, written by mlx-lm itself), with mlx-lm 0.32. tests/test_layerwise_oracle.py
+#: checks the default model and a few of these each run, all of them with MLX_STREAMING_LAYERWISE_ALL_ARCHS=1.
+SUPPORTED_MODEL_TYPES = (
+    "qwen3_next",
+    "afmoe", "bailing_hybrid", "bailing_moe", "bailing_moe_linear", "bailing_moe_v3", "deepseek", "deepseek_v2",
+    "deepseek_v3", "deepseek_v32", "deepseek_v41", "dots1", "ernie4_5_moe", "exaone_moe", "gemma4", "gemma4_text",
+    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoehybrid", "hunyuan", "jamba",
+    "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "Klear", "laguna", "lfm2_moe", "llama4", "longcat_flash",
+    "longcat_flash_ngram", "mellum", "mimo_v2_flash", "minimax", "minimax_m3_vl", "mistral3", "mistral4", "mixtral",
+    "nemotron_h", "olmoe", "phimoe", "phixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_vl_moe",
+    "solar_open", "step3p5",
+)
+
+#: Prompt tokens per prefill forward; the in-memory oracle (``generate.greedy_steps``) uses the same, so both
+#: run the same computations.
+PREFILL_CHUNK = 256
+
+#: Methods through which a model's forward uses a part's weights.
+_WRAPPED_METHODS = ("__call__", "as_linear")
+
+
+@dataclass
+class LayerwiseStats:
+    """What the oracle read and held. Byte counts are of parameters (the checkpoint's tensors)."""
+
+    model_bytes: int = 0
+    #: bytes of each part's weights, by its path in the model (``model.layers.3``, ``lm_head``, ...)
+    part_bytes: Dict[str, int] = field(default_factory=dict)
+    #: the most parameter bytes materialized at once (counted as parts are loaded and dropped)
+    max_materialized_bytes: int = 0
+    #: the most ``mx.get_active_memory()`` seen while a part was loaded (all of the process's MLX arrays)
+    max_active_bytes: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    part_loads: int = 0
+    forwards: int = 0
+
+    @property
+    def largest_part_bytes(self) -> int:
+        return max(self.part_bytes.values(), default=0)
+
+
+class _Part:
+    """One part: where its parameters sit in mlx-lm's module tree, their placeholders, where they lie on disk."""
+
+    def __init__(self, oracle: "LayerwiseOracle", name: str):
+        self.oracle, self.name = oracle, name
+        self.slots: List[Tuple[object, object]] = []  # (container: module dict or list, key)
+        self.placeholders: List[mx.array] = []
+        self.names: List[str] = []  # each slot's tensor name in the checkpoint
+        self.by_file: Dict[Path, List[Tuple[int, str]]] = {}
+        self.nbytes = 0
+        self.depth = 0
+
+    def add(self, container, key, array: mx.array, info) -> None:
+        self.by_file.setdefault(info.path, []).append((len(self.slots), info.name))
+        self.slots.append((container, key))
+        self.placeholders.append(array)
+        self.names.append(info.name)
+        self.nbytes += array.nbytes
+
+    def load(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        stats, start = self.oracle.stats, time.perf_counter()
+        try:
+            fresh = []
+            for file, entries in self.by_file.items():
+                stored = mx.load(str(file))  # lazy: only the tensors evaluated below are read
+                fresh.extend((slot, stored[name]) for slot, name in entries)
+                del stored
+            for slot, array in fresh:
+                container, key = self.slots[slot]
+                container[key] = array
+            mx.eval([array for _, array in fresh])
+        except Exception as exc:
+            self._restore()
+            self.depth -= 1
+            raise CheckpointError(f"{self.oracle.path}: reading the weights of {self.name} failed: {_one_line(exc)}") from exc
+        stats.read_seconds += time.perf_counter() - start
+        stats.bytes_read += self.nbytes
+        stats.part_loads += 1
+        self.oracle._materialized += self.nbytes
+        stats.max_materialized_bytes = max(stats.max_materialized_bytes, self.oracle._materialized)
+
+    def _restore(self) -> None:
+        for (container, key), placeholder in zip(self.slots, self.placeholders):
+            container[key] = placeholder
+
+    def drop(self) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        self._restore()
+        self.oracle._materialized -= self.nbytes
+
+    def run(self, method, module, args, kwargs):
+        self.load()
+        try:
+            out = method(module, *args, **kwargs)
+            arrays = [a for _, a in tree_flatten(out) if isinstance(a, mx.array)]
+            for value in (*args, *kwargs.values()):
+                arrays.extend(_cache_arrays(value))
+            mx.eval(arrays)
+            stats = self.oracle.stats
+            stats.max_active_bytes = max(stats.max_active_bytes, mx.get_active_memory())
+        finally:
+            self.drop()
+        return out
+
+
+def _cache_arrays(value) -> List[mx.array]:
+    """The arrays an mlx-lm cache object (or a list of them) holds, so that a part leaves its state evaluated."""
+    if isinstance(value, (list, tuple)):
+        return [a for v in value for a in _cache_arrays(v)]
+    if not isinstance(value, _BaseCache):
+        return []
+    found = []
+    for v in vars(value).values():
+        if isinstance(v, mx.array):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(a for a in v if isinstance(a, mx.array))
+            found.extend(_cache_arrays([c for c in v if isinstance(c, _BaseCache)]))
+    return found
+
+
+_WRAPPED_CLASSES: Dict[type, type] = {}
+
+
+def _wrapped_class(cls: type) -> type:
+    """A subclass of ``cls`` whose weight-using methods load the instance's part first and drop it after."""
+    if cls not in _WRAPPED_CLASSES:
+        def wrap(name):
+            original = getattr(cls, name)
+
+            def method(self, *args, **kwargs):
+                return self._layerwise_part.run(original, self, args, kwargs)
+
+            method.__name__ = name
+            return method
+
+        attrs = {name: wrap(name) for name in _WRAPPED_METHODS if hasattr(cls, name)}
+        _WRAPPED_CLASSES[cls] = type(f"Layerwise{cls.__name__}", (cls,), attrs)
+    return _WRAPPED_CLASSES[cls]
+
+
+def _one_line(exc: Exception, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+class LayerwiseOracle:
+    """mlx-lm's model of the checkpoint at ``path``, computed part by part from disk (see the module's doc)."""
+
+    def __init__(self, path):
+        import mlx.nn as nn
+        from mlx_lm.utils import load_model
+
+        path = Path(path)
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path}: missing: not a model folder")
+        try:
+            config = json.loads(config_path.read_text())
+            model_type = config["model_type"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{config_path}: no model_type ({_one_line(exc)})") from None
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"{path}: the layerwise oracle does not support model_type {model_type!r} "
+                f"(supported: qwen3_next and {len(SUPPORTED_MODEL_TYPES) - 1} other mlx-lm MoE architectures, "
+                f"listed in mlx_streaming.harness.layerwise_oracle.SUPPORTED_MODEL_TYPES)")
+        tensors = read_checkpoint_headers(path)  # one-line CheckpointError for a missing or broken shard
+        try:
+            model, _ = load_model(path, lazy=True)  # every parameter a lazy load: nothing read yet
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            raise CheckpointError(
+                f"{path}: mlx-lm cannot build its {model_type} model from this checkpoint: {_one_line(exc)}") from None
+        self.path, self.model_type, self.model = path, model_type, model
+        self.stats = LayerwiseStats()
+        self._materialized = 0
+        params = dict(tree_flatten(model.parameters()))
+        self._check_layout(tensors, params)
+
+        module_paths = {id(m): name for name, m in model.named_modules()}
+        layer_names = [module_paths[id(layer)] for layer in model.layers]
+        parts: Dict[str, _Part] = {}
+        owners: Dict[str, nn.Module] = {}
+        covered = set()
+        for name, module in model.named_modules():
+            in_layer = next((ln for ln in layer_names if name == ln or name.startswith(ln + ".")), None)
+            for key, container, slot, array in _direct_arrays(module):
+                full = f"{name}.{key}" if name else key
+                if full not in params:  # a private array (rope frequencies...), not a weight
+                    continue
+                part_name = in_layer if in_layer is not None else name
+                if part_name not in parts:
+                    parts[part_name] = _Part(self, part_name)
+                    owners[part_name] = module if in_layer is None else next(
+                        layer for layer in model.layers if module_paths[id(layer)] == in_layer)
+                parts[part_name].add(container, slot, array, tensors[full])
+                covered.add(full)
+        missing = sorted(set(params) - covered)
+        if missing:
+            raise UnsupportedModelError(f"{path}: parameters outside any part the oracle can load: {', '.join(missing[:5])}")
+        for part_name, owner in owners.items():
+            object.__setattr__(owner, "_layerwise_part", parts[part_name])
+            owner.__class__ = _wrapped_class(type(owner))
+        self.parts = parts
+        self.stats.part_bytes = {n: p.nbytes for n, p in parts.items()}
+        self.stats.model_bytes = sum(p.nbytes for p in parts.values())
+
+    def _check_layout(self, tensors, params) -> None:
+        """Each parameter is one stored tensor, as stored (MLX layout): same name, shape and size, not rewritten
+        by mlx-lm's ``sanitize``."""
+        for name, array in params.items():
+            info = tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"{self.path}: tensor {name} of mlx-lm's {self.model_type} model is in no shard")
+            if tuple(info.shape) != tuple(array.shape) or info.nbytes != array.nbytes:
+                raise CheckpointError(
+                    f"{info.path}: tensor {name} is {list(info.shape)} {info.dtype}; mlx-lm's model holds "
+                    f"{list(array.shape)} {array.dtype}")
+        sanitize = getattr(self.model, "sanitize", None)
+        if sanitize is None:
+            return
+        stored = {}
+        for file in sorted({info.path for info in tensors.values()}):
+            stored.update(mx.load(str(file)))  # lazy
+        sanitized = sanitize(dict(stored))
+        for name in params:
+            if sanitized.get(name) is not stored[name]:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name} is not in MLX layout (mlx-lm's sanitize rewrites it); "
+                    f"convert the checkpoint with mlx_lm.convert first")
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        """One forward of mlx-lm's model, part by part; the logits come back evaluated."""
+        self.stats.forwards += 1
+        return self.model(inputs, cache=cache)
+
+    def make_cache(self):
+        """mlx-lm's own caches for the model (KV caches, Gated-DeltaNet / Mamba states...)."""
+        return make_prompt_cache(self.model)
+
+    def steps(self, prompt_ids: Sequence[int], max_tokens: int,
+              prefill_chunk: int = PREFILL_CHUNK) -> Iterator[Tuple[int, mx.array]]:
+        """Yield ``(greedy id, the logits it was taken from)`` for ``max_tokens`` steps after the prompt."""
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        cache = self.make_cache()
+        for start in range(0, len(prompt_ids), prefill_chunk):
+            logits = self(mx.array([list(prompt_ids[start:start + prefill_chunk])]), cache=cache)
+        logits = logits[0, -1]
+        for step in range(max_tokens):
+            token = int(mx.argmax(logits))
+            yield token, logits
+            if step + 1 < max_tokens:
+                logits = self(mx.array([[token]]), cache=cache)[0, -1]
+
+    def greedy(self, prompt_ids: Sequence[int], max_tokens: int,
+               prefill_chunk: int = PREFILL_CHUNK) -> Tuple[List[int], List[tuple]]:
+        """(greedy ids, each step's ``top2_margin``: (top-1 id, top-2 id, top-1 minus top-2 logit, top-1 logit))."""
+        ids, margins = [], []
+        for token, logits in self.steps(prompt_ids, max_tokens, prefill_chunk):
+            ids.append(token)
+            margins.append(top2_margin(logits))
+        return ids, margins
+
+
+def _direct_arrays(module):
+    """(dotted key relative to ``module``, the dict or list holding it, its key or index there, the array) for
+    each array ``module`` holds itself (directly or in plain lists / dicts), not through a child module."""
+    import mlx.nn as nn
+
+    def walk(container, prefix, items):
+        for key, value in items:
+            dotted = f"{prefix}{key}"
+            if isinstance(value, mx.array):
+                yield dotted, container, key, value
+            elif isinstance(value, nn.Module):
+                continue
+            elif isinstance(value, dict):
+                yield from walk(value, dotted + ".", value.items())
+            elif isinstance(value, list):
+                yield from walk(value, dotted + ".", enumerate(value))
+
+    yield from walk(module, "", module.items())
+
+
+def greedy(path, prompt_ids: Sequence[int], max_tokens: int) -> Tuple[List[int], List[tuple]]:
+    """Greedy decoding of mlx-lm's model of ``path`` without holding it: (ids, each step's ``top2_margin``).
+
+    The ids are mlx-lm's in-memory greedy ids; each margin is ``generate.top2_margin`` of the logits the id was
+    taken from (its third field is the top-1 minus top-2 logit gap)."""
+    return LayerwiseOracle(path).greedy(prompt_ids, max_tokens)
