@@ -84,3 +84,128 @@ def test_routing_is_not_uniform(model_dir, prompt_ids):
     hottest_quarter = share[:, : counts.shape[1] // 4].sum(axis=1)
     # uniform routing would give the hottest quarter of the experts a quarter of the routes
     assert (hottest_quarter > 0.4).all(), hottest_quarter
+
+
+# ----------------------------------------------------------------------------- qwen3-next-80b, streamed
+
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+
+from mlx_streaming.errors import ConfigError
+from mlx_streaming.harness import synth_stream
+from mlx_streaming.harness.synth import preset_config
+from mlx_streaming.harness.synth_stream import plan_checkpoint, tensor_blocks, write_checkpoint
+
+#: A few layers of Qwen3-Next at a reduced width, for what must write in a test's time.
+NARROW = dict(hidden_size=256, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+              shared_expert_intermediate_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+              linear_value_head_dim=64, vocab_size=4096)
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mlx_streaming", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_qwen3_next_80b_plan_is_the_published_model_at_about_45_gb():
+    """From shapes alone (nothing written): the published config, mlx-lm's names and shapes, 4-bit group 64 with
+    8-bit routers, shards as mlx_lm.convert cuts them, and the size of the public 4-bit conversion."""
+    config = preset_config("qwen3-next-80b")
+    published = dict(model_type="qwen3_next", num_hidden_layers=48, full_attention_interval=4, hidden_size=2048,
+                     num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                     linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+                     linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=151936, intermediate_size=5120,
+                     rope_theta=10000000, partial_rotary_factor=0.25, max_position_embeddings=262144,
+                     norm_topk_prob=True, mtp_num_hidden_layers=1, tie_word_embeddings=False)
+    assert {k: config[k] for k in published} == published
+    assert config["layer_types"].count("full_attention") == 12 and config["layer_types"][3] == "full_attention"
+    plan = plan_checkpoint(config)
+    assert plan.shards == [f"model-{i:05d}-of-00009.safetensors" for i in range(1, 10)]
+    assert all(sum(s.nbytes for s in plan.files[n]) <= 5 << 30 for n in plan.shards)
+    main = sum(s.nbytes for n in plan.shards for s in plan.files[n])
+    assert 44.5e9 < main < 45.2e9 and 0.8e9 < plan.total_bytes - main < 1.0e9  # the MTP head: one more MoE layer
+    q = plan.config["quantization"]
+    assert (q["group_size"], q["bits"], q["mode"]) == (64, 4, "affine")
+    assert all(q[f"model.layers.{i}.mlp.{g}"] == {"group_size": 64, "bits": 8}
+               for i in range(48) for g in ("gate", "shared_expert_gate"))
+    t = plan.tensor
+    assert t("model.layers.47.mlp.switch_mlp.down_proj.weight").shape == (512, 2048, 64)
+    assert t("model.layers.47.mlp.switch_mlp.gate_proj.scales").shape == (512, 512, 32)
+    assert t("model.layers.0.mlp.gate.weight").shape == (512, 512)  # 8-bit: 4 values a word
+    assert t("model.layers.3.self_attn.q_proj.weight").shape == (8192, 256)  # 16 heads x 256 x 2 (gate)
+    assert t("model.layers.0.linear_attn.in_proj_qkvz.weight").shape == (12288, 256)
+    assert t("model.layers.0.linear_attn.conv1d.weight").shape == (8192, 4, 1)
+    assert t("model.embed_tokens.weight").shape == (151936, 256) and t("lm_head.scales").dtype == "BF16"
+    assert t("mtp.layers.0.mlp.switch_mlp.up_proj.weight").shape == (512, 512, 256)
+    # --layers keeps every per-layer shape
+    four = plan_checkpoint(preset_config("qwen3-next-80b", layers=4))
+    assert four.shards == ["model.safetensors"]  # under 5 GB: one file, as mlx_lm.convert names it
+    assert {s.name: s for s in four.files["model.safetensors"]} == \
+        {s.name: s for n in plan.shards for s in plan.files[n]
+         if not s.name.startswith("model.layers.") or int(s.name.split(".")[2]) < 4}
+
+
+def test_layers_without_a_full_attention_layer_are_refused_in_one_line(tmp_path):
+    done = _cli("synth", "--preset", "qwen3-next-80b", "--layers", "3", "--out", tmp_path / "m")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--layers 3" in errors[0] and "full attention" in errors[0], done.stderr
+    assert not (tmp_path / "m").exists()
+    for preset in ("qwen3-next-80b", "tiny"):
+        with pytest.raises(ConfigError, match="--layers 1"):
+            preset_config(preset, layers=1)
+    with pytest.raises(ConfigError, match="only the mlx layout"):
+        from mlx_streaming.harness.synth import synth_checkpoint
+
+        synth_checkpoint(tmp_path / "hf", preset="qwen3-next-80b", layout="hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_blocks_are_deterministic_and_dequantize_to_zero_mean_and_the_planned_spread():
+    plan = plan_checkpoint(preset_config("qwen3-next-80b", layers=4))
+    base = "model.layers.0.mlp.switch_mlp.up_proj"
+    first = [next(tensor_blocks(plan.tensor(f"{base}.{p}"), 0)) for p in ("weight", "scales", "biases")]
+    again = [next(tensor_blocks(plan.tensor(f"{base}.{p}"), 0)) for p in ("weight", "scales", "biases")]
+    assert all((a == b).all() for a, b in zip(first, again))
+    assert (next(tensor_blocks(plan.tensor(f"{base}.weight"), 1)) != first[0]).any()
+    rows = len(first[0])  # a block of weights holds fewer experts than one of scales
+    words, scales, biases = (mx.array(a[:rows]) for a in first)
+    w = mx.dequantize(words, scales.view(mx.bfloat16), biases.view(mx.bfloat16), 64, 4)
+    w = np.array(w.astype(mx.float32))
+    assert abs(w.mean()) < 1e-3 and abs(w.std() * np.sqrt(2048) - 1) < 0.05
+
+
+def test_streamed_writer_holds_a_few_blocks_and_writes_a_model_mlx_lm_runs(tmp_path):
+    """tracemalloc sees every numpy buffer the writer draws: its peak stays near a few 4 MB blocks however big
+    the layers are, and mlx-lm loads the result and gives finite, varied logits; the routers prefer some experts."""
+    from mlx_lm import load
+
+    config = synth_stream.sized_config({**NARROW, "num_experts": 512}, layers=4)  # big layers, cheap tokens
+    out = tmp_path / "narrow"
+    out.mkdir()
+    plan = plan_checkpoint(config)
+    layer = sum(s.nbytes for s in plan.files["model.safetensors"] if s.name.startswith("model.layers.0."))
+    tracemalloc.start()
+    try:
+        stats = write_checkpoint(out, config, seed=0, manifest=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert plan.total_bytes < stats.bytes < plan.total_bytes + (1 << 20)  # the headers
+    assert plan.total_bytes > 4 * layer > 50 << 20
+    print(f"tracemalloc peak {peak / 2**20:.1f} MiB, one layer {layer / 2**20:.1f} MiB")
+    assert peak < min(layer, 8 * synth_stream.BLOCK_BYTES), (peak, layer)
+
+    model, tokenizer = load(str(out))
+    logits = np.array(model(mx.array([tokenizer.encode("def fibonacci(n):")]))[0].astype(mx.float32))
+    assert np.isfinite(logits).all() and len(set(logits.argmax(-1))) >= 15  # of 17 positions
+    gate = model.model.layers[0].mlp.gate
+    rows = np.array(mx.dequantize(gate.weight, gate.scales, gate.biases, 64, 8).astype(mx.float32))
+    norms = np.linalg.norm(rows, axis=1)
+    hot = synth_stream.popularity(0, "model.layers.0.mlp.gate", len(norms))
+    assert np.corrcoef(norms, hot)[0, 1] > 0.9 and norms.max() / norms.min() > 1.5

@@ -6,14 +6,18 @@ derived from (seed, tensor name), so the same seed gives byte-identical files wh
 ``layout="mlx"`` passes them through what mlx-lm's converter does (the model's own ``sanitize``, then 4-bit
 group-64 quantization with 8-bit router gates) one layer at a time, so medium checkpoints never sit in RAM
 whole, and writes the MTP head to ``mtp.safetensors`` with ``convert_mtp``.
+
+``qwen3-next-80b`` is the published model's config at full size (about 45 GB): too big to generate as floats
+and quantize, it is written by ``synth_stream`` (packed 4-bit words drawn directly, streamed to disk).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import zlib
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +34,8 @@ from ..checkpoint.quantize import quant_plan, quantization_block, quantize_weigh
 from ..checkpoint.tokenizer_files import write_byte_tokenizer
 
 LAYOUTS = ("mlx", "hf")
+#: The line synth prints on stderr once it has begun writing into its folder.
+STARTED = "mlx-streaming: synth: writing"
 
 #: Size knobs per preset; everything else is Qwen3-Next-80B-A3B's config. ``shard_mb`` keeps several shards
 #: even for the tiny model, so that multi-shard indexing is always exercised.
@@ -50,6 +56,10 @@ PRESETS = {
                    linear_num_value_heads=16, linear_num_key_heads=8, linear_key_head_dim=64,
                    linear_value_head_dim=64, shard_mb=512),
 }
+
+#: Presets written by ``synth_stream`` (the MLX layout only): their full config.json sizes.
+STREAMED = ("qwen3-next-80b",)
+PRESET_NAMES = (*PRESETS, *STREAMED)
 
 BASE_CONFIG = {
     "architectures": ["Qwen3NextForCausalLM"],
@@ -78,13 +88,17 @@ _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q
                  "pre_fc_norm_hidden.weight")
 
 
-def preset_config(preset: str, vocab_size: int) -> dict:
-    if preset not in PRESETS:
-        raise ConfigError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+def preset_config(preset: str, vocab_size: Optional[int] = None, layers: Optional[int] = None) -> dict:
+    """config.json (before quantization) of ``preset``, with ``layers`` decoder layers instead of its own;
+    ``layers`` below ``full_attention_interval`` (4) is refused: mlx-lm's model needs a full-attention layer."""
+    from .synth_stream import QWEN3_NEXT_80B, sized_config
+
+    if preset not in PRESET_NAMES:
+        raise ConfigError(f"preset must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
+    if preset in STREAMED:
+        return sized_config(QWEN3_NEXT_80B, layers)
     sizes = {k: v for k, v in PRESETS[preset].items() if k != "shard_mb"}
-    layers = sizes["num_hidden_layers"]
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    return {**BASE_CONFIG, **sizes, "vocab_size": vocab_size, "layer_types": layer_types}
+    return sized_config({**sizes, "vocab_size": vocab_size}, layers)
 
 
 def hf_tensor_specs(args: ModelArgs) -> List[Tuple[str, tuple]]:
@@ -176,14 +190,22 @@ class _ShardWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
 
 
-def synth_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0, layout: str = "mlx") -> Path:
+def synth_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0, layout: str = "mlx",
+                     layers: Optional[int] = None) -> Path:
     """Write a synthetic checkpoint to ``out_dir`` and return it. ``out_dir`` must be new, empty, or written
     by this project earlier (then it is replaced whole, once the new one is complete); the mlx layout gets a
-    checksum manifest of its experts."""
+    checksum manifest of its experts. ``layers`` keeps every per-layer shape with that many decoder layers."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    config = preset_config(preset, layers=layers, vocab_size=0)  # refuses a bad preset or layer count first
+    if preset in STREAMED:
+        if layout != "mlx":
+            raise ConfigError(f"layout {layout} is not written for preset {preset} (it would be "
+                              f"{_hf_bytes(config) / 1e9:.0f} GB of bf16); only the mlx layout is")
+        return _synth_streamed(Path(out_dir), preset, config, seed)
     with fresh_folder(out_dir, "synth") as partial:
-        _write(partial, preset, seed, layout)
+        _started(out_dir, preset, layers)
+        _write(partial, preset, seed, layout, layers)
         if layout == "mlx":
             from ..config import StreamingConfig
             from ..model import open_checkpoint
@@ -192,9 +214,35 @@ def synth_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0, layout:
     return Path(out_dir)
 
 
-def _write(out_dir: Path, preset: str, seed: int, layout: str) -> None:
+def _started(out_dir: Path, preset: str, layers: Optional[int]) -> None:
+    shape = f"preset {preset}" + (f", {layers} layers" if layers else "")
+    print(f"{STARTED} {Path(out_dir).absolute()} ({shape})", file=sys.stderr, flush=True)
+
+
+def _hf_bytes(config: dict) -> int:
+    from .synth_stream import plan_checkpoint
+
+    plan = plan_checkpoint(config)
+    return sum(int(np.prod(s.shape)) * 32 // s.bits * 2 if s.bits and s.name.endswith(".weight") else
+               (0 if s.bits else s.nbytes) for specs in plan.files.values() for s in specs)
+
+
+def _synth_streamed(out_dir: Path, preset: str, config: dict, seed: int) -> Path:
+    from .synth_stream import plan_checkpoint, say, write_checkpoint
+
+    with fresh_folder(out_dir, "synth") as partial:
+        size = plan_checkpoint(config).total_bytes
+        _started(out_dir, preset, config["num_hidden_layers"])
+        say(f"synth: {size / 1e9:.1f} GB, {config['num_hidden_layers']} layers, streamed in blocks of at most 4 MB")
+        stats = write_checkpoint(partial, config, seed)
+        say(f"synth: wrote {stats.bytes / 1e9:.2f} GB in {stats.files} files in {stats.seconds:.1f} s "
+            f"({stats.gb_per_s:.2f} GB/s)")
+    return out_dir
+
+
+def _write(out_dir: Path, preset: str, seed: int, layout: str, layers: Optional[int] = None) -> None:
     vocab = write_byte_tokenizer(out_dir)
-    config = preset_config(preset, vocab_size=-(-vocab // 64) * 64)
+    config = preset_config(preset, vocab_size=-(-vocab // 64) * 64, layers=layers)
     args = ModelArgs.from_dict(config)
     template = Model(args)
     plan = quant_plan(template, template.quant_predicate)
