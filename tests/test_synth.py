@@ -88,15 +88,17 @@ def test_routing_is_not_uniform(model_dir, prompt_ids):
 
 # ----------------------------------------------------------------------------- qwen3-next-80b, streamed
 
+import signal
 import subprocess
 import sys
+import threading
 import tracemalloc
 
 import pytest
 
 from mlx_streaming.errors import ConfigError
 from mlx_streaming.harness import synth_stream
-from mlx_streaming.harness.synth import preset_config
+from mlx_streaming.harness.synth import STARTED, preset_config
 from mlx_streaming.harness.synth_stream import plan_checkpoint, tensor_blocks, write_checkpoint
 
 #: A few layers of Qwen3-Next at a reduced width, for what must write in a test's time.
@@ -209,3 +211,35 @@ def test_streamed_writer_holds_a_few_blocks_and_writes_a_model_mlx_lm_runs(tmp_p
     norms = np.linalg.norm(rows, axis=1)
     hot = synth_stream.popularity(0, "model.layers.0.mlp.gate", len(norms))
     assert np.corrcoef(norms, hot)[0, 1] > 0.9 and norms.max() / norms.min() > 1.5
+
+
+@pytest.mark.parametrize("args", [["--preset", "small"], ["--preset", "qwen3-next-80b", "--layers", "4"]],
+                         ids=["small", "qwen3-next-80b"])
+def test_ctrl_c_in_synth_exits_130_in_one_line_and_leaves_nothing_half_written(tmp_path, args):
+    """SIGINT once synth says it has begun writing (an event, not a clock: the write cannot finish first)."""
+    # an xdist worker ignores SIGINT and a child inherits that: give the command the default a terminal gives
+    process = subprocess.Popen([sys.executable, "-m", "mlx_streaming", "synth", *args, "--out", str(tmp_path / "m")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines, started = [], threading.Event()
+
+    def read_stderr():
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith(STARTED):
+                started.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(120), "".join(lines)
+        assert process.poll() is None, "".join(lines)  # still writing
+        process.send_signal(signal.SIGINT)
+        out = process.stdout.read()
+        code = process.wait(timeout=120)
+    finally:
+        process.kill()
+    reader.join(timeout=10)
+    output = out + "".join(lines)
+    assert code == 130 and "Traceback" not in output and "interrupted" in output, output
+    assert list(tmp_path.iterdir()) == []

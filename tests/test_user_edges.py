@@ -111,12 +111,6 @@ def _interrupt(args, after_s):
     return process.returncode, out + err
 
 
-def test_ctrl_c_in_synth_exits_130_in_one_line_and_leaves_nothing_half_written(tmp_path):
-    code, output = _interrupt(["synth", "--preset", "small", "--out", tmp_path / "small"], after_s=5)
-    assert code == 130 and "Traceback" not in output and "interrupted" in output
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_ctrl_c_in_generate_exits_130_in_one_line():
     code, output = _interrupt(["generate", "--max-tokens", "500", "--prefetch", "--pool-slots", "8"], after_s=6)
     assert code == 130 and "Traceback" not in output and "interrupted" in output
