@@ -267,6 +267,8 @@ def check_input(args) -> None:
         for dest in ("json", "plot", "pin_hot"):
             if getattr(args, dest) is not None:
                 raise ConfigError(f"{_flag_of(args, dest)}: only with --trace FILE (the plan itself is printed)")
+    if getattr(args, "gate_power_base", None) and not args.gate_power:
+        raise ConfigError(f"--gate-power-base {args.gate_power_base}: only with --gate-power")
     if getattr(args, "gate_power_baseline", None) and not args.gate_power_replay:
         raise ConfigError(f"--gate-power-baseline {args.gate_power_baseline}: only with --gate-power-replay FILE")
     if args.command == "bench" and getattr(args, "dump_ids", None) and _bench_report(args) is not None:
@@ -385,8 +387,9 @@ def _json_file(option: str, path: str):
 def _recorded_pools(path: str) -> dict:
     """The pools a ``bench --gate-power --json FILE`` run recorded."""
     recorded = _json_file("--gate-power-replay", path)
-    missing = [key for key in ("baseline", "pools", "tokens", "unit", "cost_per_token")
-               if not isinstance(recorded, dict) or key not in recorded]
+    needed = ("bases" if isinstance(recorded, dict) and "bases" in recorded else "baseline", "pools", "tokens", "unit",
+              "cost_per_token")
+    missing = [key for key in needed if not isinstance(recorded, dict) or key not in recorded]
     if missing:
         raise ConfigError(f"--gate-power-replay {path}: not a `bench --gate-power --json` file "
                           f"(no {', '.join(missing)})")
@@ -565,7 +568,16 @@ def cmd_bench(args) -> None:
     elif args.gate_power:
         from .harness import gate_power
 
-        result = gate_power.study(_model_dir(args), _config(args))
+        if args.gate_power_base:
+            from .harness.side_by_side import BaseUnavailable
+
+            try:
+                result = gate_power.side_by_side_study(Path.cwd(), args.gate_power_base, _model_dir(args),
+                                                       _config(args))
+            except BaseUnavailable as exc:
+                raise ConfigError(f"--gate-power-base {args.gate_power_base}: {exc}") from None
+        else:
+            result = gate_power.study(_model_dir(args), _config(args))
         print(gate_power.table(result))
     elif args.gate_power_replay:
         from .harness import gate_power
@@ -734,6 +746,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "--gate-power --json FILE run recorded (nothing measured)")
     modes.add_argument("--processes", type=int, metavar="N",
                        help="noise floor: run the default benchmark in N fresh processes, report the spread")
+    reports.add_argument("--gate-power-base", metavar="REV",
+                         help="with --gate-power: study the side-by-side gate instead: git revision REV's engine "
+                              "(exported and built apart) in rounds alternating with this tree's, planted 10%% and "
+                              "20%% slowdowns in this tree's only (about 20 minutes here)")
     reports.add_argument("--gate-power-baseline", metavar="FILE",
                          help="with --gate-power-replay: judge the recorded pools against this baseline the perf "
                               "suite saved (baselines/<machine>/NNNN_baseline.json) instead of the study's own "
