@@ -6,7 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -100,19 +99,21 @@ def test_extract_mtp_refuses_a_file_it_did_not_write(tmp_path, tiny_synth):
     _one_line_error(done, "is a folder")
 
 
-def _interrupt(args, after_s):
+def _interrupt(args):
+    """SIGINT once the command has printed its first generated text (an event, not a clock: it is decoding)."""
     # an xdist worker ignores SIGINT and a child inherits that: give the command the default a terminal gives
     process = subprocess.Popen([sys.executable, "-m", "mlx_streaming", *map(str, args)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(after_s)
+    first = process.stdout.read(1)
+    assert first and process.poll() is None, "the command ended before it was interrupted"
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
-    return process.returncode, out + err
+    return process.returncode, first + out + err
 
 
 def test_ctrl_c_in_generate_exits_130_in_one_line():
-    code, output = _interrupt(["generate", "--max-tokens", "500", "--prefetch", "--pool-slots", "8"], after_s=6)
+    code, output = _interrupt(["generate", "--max-tokens", "500", "--prefetch", "--pool-slots", "8"])
     assert code == 130 and "Traceback" not in output and "interrupted" in output
 
 
