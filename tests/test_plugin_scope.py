@@ -51,3 +51,15 @@ def test_not_perf_under_xdist_runs_here(pytestconfig):
     done = _pytest(pytestconfig.rootpath, "-m", "not perf", "-n", "2", "--collect-only", "-q", "tests/test_triage.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "perf tests need a single process" not in done.stdout + done.stderr
+
+
+def test_an_option_value_pytest_takes_for_its_rootdir_is_said_in_one_line(pytestconfig, tmp_path):
+    """pytest picks its root directory before installed plugins' options are known, so the value of
+    ``--streaming-model DIR`` looks like a path to it: the project's configuration would go unread."""
+    model = tmp_path / "model"
+    model.mkdir()
+    spaced = _pytest(pytestconfig.rootpath, "--co", "-q", "-m", "exact", "--streaming-model", str(model))
+    assert spaced.returncode == pytest.ExitCode.USAGE_ERROR
+    assert f"write --streaming-model={model}" in spaced.stderr
+    joined = _pytest(pytestconfig.rootpath, "--co", "-q", "-m", "exact", f"--streaming-model={model}")
+    assert joined.returncode == 0, joined.stdout + joined.stderr

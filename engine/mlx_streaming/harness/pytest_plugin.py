@@ -76,10 +76,29 @@ def _perf_selected(config) -> bool:
     return Expression.compile(expression).evaluate(lambda name, **kwargs: name == "perf" and not kwargs)
 
 
+def _path_taken_for_rootdir(config):
+    """The value of a ``--streaming-* VALUE`` option that pytest took for a path when it chose its root directory
+    (it does so before any installed plugin's options are known), or None."""
+    args = list(config.invocation_params.args)
+    invoked = Path(config.invocation_params.dir).resolve()
+    if config.rootpath == invoked or config.rootpath in invoked.parents:
+        return None
+    for option, value in zip(args, args[1:]):
+        if option.startswith(OPTION_PREFIX) and "=" not in option and Path(invoked, value).exists():
+            return option, value
+    return None
+
+
 def pytest_configure(config):
     config._mlx_streaming_active = _active(config)
     if not config._mlx_streaming_active:
         return
+    taken = _path_taken_for_rootdir(config)
+    if taken:
+        option, value = taken
+        raise pytest.UsageError(
+            f"pytest took {value} (the value of {option}) for its root directory ({config.rootpath}), so this "
+            f"project's configuration was not read: write {option}={value}")
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if _perf_selected(config) and (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
@@ -295,7 +314,7 @@ def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids, perf_y
         return
     engine_config = {"io_mode": streaming_config.io_mode, "pool_slots": streaming_config.pool_slots}
     try:
-        engine = BaseEngine(config.rootpath, rev, model_dir, mtp_path, prompt_ids[0],
+        engine = BaseEngine(Path(config.invocation_params.dir), rev, model_dir, mtp_path, prompt_ids[0],
                             config.getoption("--streaming-perf-tokens"), engine_config, perf_yardstick.as_dict())
     except BaseUnavailable as exc:
         yield PerfBase(config, why_not=str(exc))
@@ -392,7 +411,7 @@ def oracle(request, model_dir, memory_plan, prompt_ids, tmp_path_factory):
     ``--streaming-record-reference`` the oracle's answers are recorded first."""
     from . import reference
 
-    path = reference.reference_path(request.config.rootpath, model_dir)
+    path = reference.reference_path(_references_folder(request.config), model_dir)
     base = tmp_path_factory.getbasetemp()
     session_folder = base.parent if hasattr(request.config, "workerinput") else base
     if request.config.getoption("--streaming-record-reference"):
@@ -417,6 +436,14 @@ def _name_the_oracle(request):
     if _acting(request.config) and "oracle" in request.fixturenames:
         request.node.user_properties.append((ORACLE_KEY, request.getfixturevalue("oracle").kind))
     yield
+
+
+def _references_folder(config) -> Path:
+    """Where recorded references live: beside the perf baselines (pytest-benchmark's storage folder, this
+    project's ``baselines/``), in ``references/``."""
+    storage = str(config.getoption("benchmark_storage", None) or "file://./.benchmarks")
+    folder = Path(storage[len("file://"):] if storage.startswith("file://") else storage)
+    return Path(config.invocation_params.dir, folder) / "references"
 
 
 def _record_reference(request, path: Path, model_dir: Path, memory_plan, prompt_ids, folder: Path) -> None:

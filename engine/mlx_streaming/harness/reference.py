@@ -6,7 +6,7 @@ once (``pytest --streaming-record-reference``): for each test prompt, the greedy
 and their logit margin (``generate.top2_margin``). The file names the model it belongs to (``model_identity``: its config, its checksum
 manifest and its weight files' names and sizes), the oracle that made it (in memory, or layer by layer) and the
 mlx / mlx-lm versions; a reference for another model is refused in one line. It is kept beside the perf
-baselines: ``baselines/references/<model folder>-<identity>.json``.
+baselines (in this project ``baselines/references/<model folder>-<identity>.json``).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def model_identity(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def reference_path(root: Path, model_dir: Path) -> Path:
-    return Path(root) / "baselines" / "references" / f"{Path(model_dir).resolve().name}-{model_identity(model_dir)[:12]}.json"
+def reference_path(folder: Path, model_dir: Path) -> Path:
+    """The reference of ``model_dir`` in ``folder``: named by the model folder and its identity."""
+    return Path(folder) / f"{Path(model_dir).resolve().name}-{model_identity(model_dir)[:12]}.json"
 
 
 def write(path: Path, model_dir: Path, oracle: str, prompts: Sequence[str], runs: List[Dict]) -> Path:
