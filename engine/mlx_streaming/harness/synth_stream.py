@@ -19,9 +19,7 @@ drawn once per layer (``popularity``), so some experts are hot, as after trainin
 
 from __future__ import annotations
 
-import itertools
 import json
-import string
 import struct
 import sys
 import time
@@ -32,6 +30,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from ..checkpoint.tokenizer_files import write_byte_tokenizer
 from ..errors import ConfigError
 
 #: Qwen3-Next-80B-A3B's published config.json (Qwen/Qwen3-Next-80B-A3B-Instruct), beyond ``synth.BASE_CONFIG``.
@@ -45,8 +44,6 @@ QWEN3_NEXT_80B = dict(
     bos_token_id=151643, eos_token_id=151645, initializer_range=0.02, output_router_logits=False,
     router_aux_loss_coef=0.001, use_cache=True, use_sliding_window=False, mtp_use_dedicated_embeddings=False,
 )
-#: Qwen's special tokens at Qwen's ids (``<|im_end|>`` ends a turn of the Instruct model).
-QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
 
 #: mlx_lm.utils.MAX_FILE_SIZE_GB: the converter starts a new shard before one would pass 5 GiB.
 SHARD_BYTES = 5 << 30
@@ -356,34 +353,6 @@ def write_file(path: Path, specs: List[TensorSpec], seed: int, metadata: dict,
     return path.stat().st_size
 
 
-def write_full_vocab_tokenizer(out_dir: Path, vocab_size: int) -> None:
-    """tokenizer.json / tokenizer_config.json whose every id up to ``vocab_size`` decodes: the byte-level
-    BPE of ``checkpoint.tokenizer_files`` (ids 0-255, no merges), Qwen's special tokens at Qwen's ids, and
-    filler words (`` ab``, `` x7Q``...) everywhere else, so a random model's text is readable."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    special = dict(QWEN_SPECIAL_IDS) if vocab_size > max(QWEN_SPECIAL_IDS.values()) else \
-        {t: 256 + i for i, t in enumerate(QWEN_SPECIAL_IDS)}
-    by_id = {i: t for t, i in special.items()}
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)
-    chars = string.ascii_letters + string.digits
-    words = ("Ġ" + "".join(c) for n in itertools.count(2) for c in itertools.product(chars, repeat=n))
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    vocab.update({by_id.get(i) or next(words): i for i in range(len(alphabet), vocab_size)})
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in special])
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "model_max_length": 262144,
-    }, indent=2))
-
-
 @dataclass
 class WriteStats:
     bytes: int
@@ -416,7 +385,7 @@ def write_checkpoint(out_dir: Path, config: dict, seed: int = 0, shard_bytes: in
              "weight_map": dict(sorted((s.name, n) for n in plan.shards for s in plan.files[n]))}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
     (out_dir / "config.json").write_text(json.dumps(plan.config, indent=4))
-    write_full_vocab_tokenizer(out_dir, config["vocab_size"])
+    write_byte_tokenizer(out_dir, config["vocab_size"])
     if manifest:
         _write_manifest(out_dir, checksums, ALGORITHM, MANIFEST_FILE, range_key)
     return WriteStats(total, time.perf_counter() - start, len(plan.files))
