@@ -2,8 +2,8 @@
 memory cgroup), mlx-lm's in-memory load killed under it, and the streaming model under the same limit decoding
 the recorded reference's ids exactly, its peak memory under the limit.
 
-The model is the ``small`` synthetic preset (about 360 MB: as small as still proves the point in CI); the limit is
-200 MB. The reference is recorded where the model fits (this machine, outside the limit) by the same code as
+The model has the ``small`` synthetic preset's shapes (about 360 MB, written by the streaming writer: as small as
+still proves the point in CI); the limit is 200 MB. The reference is recorded where the model fits (this machine, outside the limit) by the same code as
 ``pytest --streaming-record-reference``. Where no memory cgroup can be made, the tests say why and skip.
 """
 
@@ -57,9 +57,12 @@ def bigger_than_the_limit(tmp_path_factory):
     import mlx_lm
 
     from mlx_streaming.generate import greedy_steps, top2_margin
-    from mlx_streaming.harness.synth import synth_checkpoint
+    from mlx_streaming.harness.synth import preset_config
+    from mlx_streaming.harness.synth_stream import write_checkpoint
 
-    model = synth_checkpoint(tmp_path_factory.mktemp("ltm") / "small", preset="small", seed=0)
+    model = tmp_path_factory.mktemp("ltm") / "small"
+    model.mkdir()
+    write_checkpoint(model, preset_config("small", vocab_size=320), seed=0)  # streamed: in about a second
     assert reference.model_bytes(model) > LIMIT
     loaded, tokenizer = mlx_lm.load(str(model))
     runs = []

@@ -233,11 +233,11 @@ def test_each_work_counter_has_its_one_definition(model_dir, prompt_ids, prefetc
     assert c["host_syncs"] * 8 > moe_layer_calls
 
 
-def _run_perf(root, storage, *extra, plant=0.0):
+def _run_perf(root, storage, *extra, plant=0.0, rounds=5):
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "perf", "-p", "no:xdist", "-q",
          "perf/test_perf.py::test_greedy_quarter_pool_direct",
-         "--streaming-perf-tokens", "4", "--streaming-perf-disk-rounds", "5",
+         "--streaming-perf-tokens", "4", "--streaming-perf-disk-rounds", str(rounds),
          f"--benchmark-storage=file://{storage}", *extra],
         capture_output=True, text=True, timeout=600, cwd=root,
         # inside an xdist worker: pytest-benchmark would see the worker's variables and disable itself
@@ -267,11 +267,12 @@ def test_gate_fails_a_planted_slowdown_and_a_moved_counter_and_passes_otherwise(
 
     # side by side: the base revision's engine (HEAD, exported and built apart) measured round for round beside
     # the current tree; the plant slows only the current tree's engine
-    beside = _run_perf(root, tmp_path, "--benchmark-compare=0001", "--streaming-perf-base", "HEAD", plant=2 * cost)
+    beside = _run_perf(root, tmp_path, "--benchmark-compare=0001", "--streaming-perf-base", "HEAD", plant=2 * cost,
+                       rounds=3)
     assert beside.returncode == 1, beside.stdout
     assert "mode: side by side: base revision HEAD" in beside.stdout and "side by side, relative to" in beside.stdout
     # a base that cannot be measured: one line, and the counters judged alone
-    absent = _run_perf(root, tmp_path, "--benchmark-compare=0001", "--streaming-perf-base", "0" * 12)
+    absent = _run_perf(root, tmp_path, "--benchmark-compare=0001", "--streaming-perf-base", "0" * 12, rounds=2)
     assert absent.returncode == 0, absent.stdout
     assert f"mode: counters only: base revision {'0' * 12} is not in the history" in absent.stdout
     assert "host_syncs/token" in absent.stdout and "no base revision measured beside it: not compared" in absent.stdout
