@@ -319,7 +319,8 @@ def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids, perf_y
     except BaseUnavailable as exc:
         yield PerfBase(config, why_not=str(exc))
         return
-    config._mlx_perf_mode = f"side by side: base revision {rev} ({engine.commit[:10]}) on this machine, {why}"
+    named = engine.commit[:10] if engine.commit.startswith(rev) else f"{rev} ({engine.commit[:10]})"
+    config._mlx_perf_mode = f"side by side: base revision {named} on this machine, {why}"
     with engine:
         yield PerfBase(config, engine)
 
