@@ -76,12 +76,18 @@ def _perf_selected(config) -> bool:
     return Expression.compile(expression).evaluate(lambda name, **kwargs: name == "perf" and not kwargs)
 
 
+CONFIG_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+
+
 def _path_taken_for_rootdir(config):
-    """The value of a ``--streaming-* VALUE`` option that pytest took for a path when it chose its root directory
-    (it does so before any installed plugin's options are known), or None."""
+    """The ``--streaming-* VALUE`` option whose value pytest took for a path when it chose its root directory (it
+    does so before any installed plugin's options are known), so that it read no configuration file where the run
+    was started from one's reach, or None."""
     args = list(config.invocation_params.args)
     invoked = Path(config.invocation_params.dir).resolve()
-    if config.rootpath == invoked or config.rootpath in invoked.parents:
+    above = [invoked, *invoked.parents]
+    config_near = any((d / name).exists() for d in above for name in CONFIG_FILES)
+    if config.rootpath in above and (config.inipath is not None or not config_near):
         return None
     for option, value in zip(args, args[1:]):
         if option.startswith(OPTION_PREFIX) and "=" not in option and Path(invoked, value).exists():
