@@ -30,11 +30,11 @@ from mlx_streaming.config import StreamingConfig
 from mlx_streaming.generate import greedy_generate
 from mlx_streaming.harness.reference import RecordedOracle
 from mlx_streaming.model import build_streaming_model
-from mlx_streaming.plan import auto_memory_budget
+from mlx_streaming.plan import allowance_within, auto_memory_budget
 model, ref, prompts, tokens = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 oracle = RecordedOracle(ref, model, prompts)
 budget = auto_memory_budget()
-config = StreamingConfig(memory_budget=budget, memory_allowance=budget // 4, io_mode="direct")
+config = StreamingConfig(memory_budget=budget, memory_allowance=allowance_within(budget), io_mode="direct")
 with build_streaming_model(model, config) as sm:
     got = [greedy_generate(sm.model, sm.tokenizer.encode(p), tokens) for p in prompts]
     stats = sm.store.stats()

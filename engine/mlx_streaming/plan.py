@@ -12,12 +12,18 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from . import cgroup
-from .config import StreamingConfig, format_size
+from .config import DEFAULT_MEMORY_ALLOWANCE, StreamingConfig, format_size
 from .errors import PoolTooSmallError
 
 #: ``--memory-budget auto``: this share of the memory the process may take when the command starts (the rest is
 #: the margin left to the OS and other programs).
 AUTO_BUDGET_SHARE = 0.8
+
+
+def allowance_within(budget: int) -> int:
+    """The caches' allowance for a process given ``budget`` bytes in all: the default, or a quarter of a budget
+    too small for it (where the default would leave no pool)."""
+    return min(DEFAULT_MEMORY_ALLOWANCE, budget // 4)
 
 
 def auto_memory_budget() -> int:

@@ -241,17 +241,15 @@ def streaming_config(request, memory_plan):
     """The suite's engine settings. With no pool option, every expert is resident where the in-memory model
     fits; where it does not, the streaming models the suite builds (the model, and the model with its MTP head)
     share the memory budget this process may take."""
-    from ..config import DEFAULT_MEMORY_ALLOWANCE, StreamingConfig
-    from ..plan import AUTO_BUDGET_SHARE
+    from ..config import StreamingConfig
+    from ..plan import AUTO_BUDGET_SHARE, allowance_within
 
     slots = request.config.getoption("--streaming-pool-slots")
     io_mode = request.config.getoption("--streaming-io-mode")
     if slots or memory_plan.fits:
         return StreamingConfig(pool_slots=slots, io_mode=io_mode)
     budget = int(memory_plan.available * AUTO_BUDGET_SHARE / 2)
-    # the allowance for caches and staging scales with the budget where the default would leave no pool
-    return StreamingConfig(memory_budget=budget, memory_allowance=min(DEFAULT_MEMORY_ALLOWANCE, budget // 4),
-                           io_mode=io_mode)
+    return StreamingConfig(memory_budget=budget, memory_allowance=allowance_within(budget), io_mode=io_mode)
 
 
 @pytest.fixture(scope="session")
@@ -484,17 +482,9 @@ def pytest_terminal_summary(terminalreporter):
     carry the rows, so this works under pytest-xdist too."""
     if not _acting(terminalreporter.config):
         return
-    rows = [
-        value
-        for reports in terminalreporter.stats.values()
-        for report in reports
-        if getattr(report, "when", None) == "call"
-        for key, value in getattr(report, "user_properties", ())
-        if key == EXACTNESS_KEY
-    ]
+    rows = _properties(terminalreporter, EXACTNESS_KEY)
     _report_perf_gate(terminalreporter)
-    oracles = sorted({value for reports in terminalreporter.stats.values() for report in reports
-                      for key, value in getattr(report, "user_properties", ()) if key == ORACLE_KEY})
+    oracles = sorted(set(_properties(terminalreporter, ORACLE_KEY)))
     if oracles:
         terminalreporter.section("mlx-streaming oracle")
         terminalreporter.write_line("greedy oracle: " + "; ".join(oracles))
@@ -510,6 +500,14 @@ def pytest_terminal_summary(terminalreporter):
         table = [[r["prompt"], r["K"], r["verify_mode"], r["pool"], d["step"], d["top1"], d["top2"], f"{d['gap']:.5f}",
                   "near-tie" if d["near_tie"] else "BUG"] for r in diverged for d in [r["divergence"]]]
         terminalreporter.write_line(tabulate(table, headers=["prompt", "K", "mode", "pool", "step", "top-1", "top-2", "gap", "verdict"]))
+
+
+def _properties(terminalreporter, name: str) -> list:
+    """Every value the session's tests recorded under ``name`` in their reports' ``user_properties`` (the reports
+    carry them, so this works under pytest-xdist too)."""
+    return [value for reports in terminalreporter.stats.values() for report in reports
+            if getattr(report, "when", None) == "call"
+            for key, value in getattr(report, "user_properties", ()) if key == name]
 
 
 def _report_perf_gate(terminalreporter) -> None:

@@ -14,6 +14,7 @@ counters alone, as it does without a comparable baseline.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -62,10 +63,11 @@ def export(repo: Path, commit: str, into: Path) -> Path:
     archive = _git(repo, "archive", "--format=tar", commit)
     if archive.returncode != 0:
         raise BaseUnavailable(f"cannot check out base revision {commit[:10]}: {_last_line(archive.stderr)}")
-    import io
-
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(into, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(into)
+        if hasattr(tarfile, "data_filter"):  # Pythons with extraction filters: the safe one
+            tar.extractall(into, filter="data")
+        else:
+            tar.extractall(into)
     return into
 
 
