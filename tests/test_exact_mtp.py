@@ -18,14 +18,16 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module", params=[1.0, 0.25], ids=["pool100", "pool25"])
-def spec_setup(request, model_dir, mtp_path, streaming_config, mtp_model):
-    """(model with MTP, pool fraction): built once per pool, shared by every prompt, K and mode."""
+def spec_setup(request, mtp_path, pool_config, mtp_model):
+    """(model with MTP, its pool's share of the experts): built once per pool, shared by every prompt, K and mode.
+    pool100 is the suite's model with its head (every expert, or the pool the suite's budget gives); pool25 a
+    quarter of the experts, or that budget's pool where it is less."""
     if request.param == 1.0:
-        yield mtp_model, request.param
+        yield mtp_model, mtp_model.store.capacity / mtp_model.store.index.num_experts
         return
     slots = round(mtp_model.store.index.num_experts * request.param)
-    with build_streaming_model(model_dir, streaming_config.replace(mtp=True, mtp_path=str(mtp_path), pool_slots=slots)) as sm:
-        yield sm, request.param
+    with build_streaming_model(mtp_model.path, pool_config(slots, mtp=True, mtp_path=str(mtp_path))) as sm:
+        yield sm, sm.store.capacity / sm.store.index.num_experts
 
 
 #: K chosen per step ("auto") runs the same verify and commit as a fixed K: the direct commit covers it.
@@ -34,14 +36,16 @@ CASES = [(K, mode) for K in (2, 3, 4) for mode in ("direct", "replay")] + [("aut
 
 @pytest.mark.parametrize("K,verify_mode", CASES)
 @pytest.mark.parametrize("prompt", range(len(TEST_PROMPTS)))
-def test_speculative_ids_equal_greedy_ids(spec_setup, oracle, prompt_ids, prompt, K, verify_mode, record_property):
+def test_speculative_ids_equal_greedy_ids(spec_setup, oracle, prompt_ids, exact_tokens, prompt, K, verify_mode,
+                                          record_property):
     sm, pool = spec_setup
-    greedy_ids, margins = oracle.ids(prompt, MAX_TOKENS), oracle.margins(prompt, MAX_TOKENS)
-    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids[prompt], MAX_TOKENS, K, verify_mode)
+    n = min(MAX_TOKENS, exact_tokens)
+    greedy_ids, margins = oracle.ids(prompt, n), oracle.margins(prompt, n)
+    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids[prompt], n, K, verify_mode)
     divergence = first_divergence(ids, greedy_ids, margins)
     record_property(EXACTNESS_KEY, {
         "prompt": prompt, "K": K, "verify_mode": verify_mode, "pool": f"{pool:.0%}",
         "divergence": None if divergence is None else {**dataclasses.asdict(divergence), "near_tie": divergence.near_tie},
     })
-    assert stats["tokens"] == MAX_TOKENS and stats["verify_mode"] == verify_mode
+    assert stats["tokens"] == n and stats["verify_mode"] == verify_mode
     assert divergence is None or divergence.near_tie, f"speculative ids diverge from greedy: {divergence}"

@@ -10,26 +10,33 @@ from mlx_streaming.model import build_streaming_model
 pytestmark = pytest.mark.exact
 
 
-def test_full_pool_logits_are_bit_identical(streaming_model, oracle, prompt_ids):
+def test_full_pool_logits_are_bit_identical(streaming_model, oracle, prompt_ids, exact_tokens):
+    n = min(33, exact_tokens)  # the prompt's last position, then 32 decode steps
+    reference = list(zip(oracle.ids(0, n), oracle.logits(0, n)))
     assert streaming_model.store.capacity == streaming_model.store.index.num_experts
-    pairs = zip(zip(oracle.ids(0, 33), oracle.logits(0, 33)), greedy_steps(streaming_model.model, prompt_ids[0], 33))
     steps = 0
-    for (ref_id, ref_logits), (id_, logits) in pairs:
+    for (ref_id, ref_logits), (id_, logits) in zip(reference, greedy_steps(streaming_model.model, prompt_ids[0], n)):
         assert id_ == ref_id
         assert mx.array_equal(logits, ref_logits).item(), f"logits differ at step {steps}"
         steps += 1
-    assert steps == 33  # the prompt's last position, then 32 decode steps
+    assert steps == n
 
 
 @pytest.mark.parametrize("io_mode", ["buffered", "direct"])
-def test_minimum_pool_greedy_ids_match(model_dir, streaming_model, oracle, prompt_ids, io_mode):
+def test_minimum_pool_greedy_ids_match(model_dir, streaming_model, pool_config, oracle, prompt_ids, exact_tokens,
+                                       io_mode):
+    """The fewest slots a token can run in, greedy ids equal to the oracle's; with byte-truth verification where
+    the suite turns it on (a model mlx-lm cannot hold), every placed expert checked."""
     top_k = streaming_model.store.top_k
-    with build_streaming_model(model_dir, StreamingConfig(pool_slots=top_k, io_mode=io_mode)) as sm:
+    n = min(64, exact_tokens)
+    with build_streaming_model(model_dir, pool_config(top_k, io_mode=io_mode)) as sm:
         for prompt, ids in enumerate(prompt_ids[:3]):
-            assert greedy_generate(sm.model, ids, 64) == oracle.ids(prompt, 64)
+            assert greedy_generate(sm.model, ids, n) == oracle.ids(prompt, n)
         stats = sm.store.stats()
         assert stats["evictions"] > 0 and stats["misses"] > 0
         assert set(sm.store.reader.effective_modes.values()) == {io_mode}
+        if sm.config.verify:
+            assert stats["verify_calls"] == stats["misses"]
 
 
 #: Prompt tokens of the one-chunk prefill below: already past the union of experts that a pool of top_k + 2

@@ -30,11 +30,11 @@ from mlx_streaming.config import StreamingConfig
 from mlx_streaming.generate import greedy_generate
 from mlx_streaming.harness.reference import RecordedOracle
 from mlx_streaming.model import build_streaming_model
-from mlx_streaming.plan import allowance_within, auto_memory_budget
+from mlx_streaming.plan import auto_memory_budget
 model, ref, prompts, tokens = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 oracle = RecordedOracle(ref, model, prompts)
 budget = auto_memory_budget()
-config = StreamingConfig(memory_budget=budget, memory_allowance=allowance_within(budget), io_mode="direct")
+config = StreamingConfig(memory_budget=budget, io_mode="direct")
 with build_streaming_model(model, config) as sm:
     got = [greedy_generate(sm.model, sm.tokenizer.encode(p), tokens) for p in prompts]
     stats = sm.store.stats()
@@ -95,3 +95,28 @@ def test_the_streaming_model_decodes_the_recorded_reference_exactly_under_the_li
     assert result["capacity"] < result["experts"] and result["bytes_read"] > 0  # a bounded pool, read from disk
     assert result["budget"] < LIMIT
     assert run.peak_bytes is not None and run.peak_bytes <= LIMIT
+
+
+def _limited_cli(*args):
+    try:
+        return cgroup.limited_run([sys.executable, "-m", "mlx_streaming", *args], LIMIT, timeout=600)
+    except cgroup.LimitUnavailable as exc:
+        pytest.skip(f"no hard memory limit here: {exc}")
+
+
+def test_the_commands_default_to_the_pool_the_limit_leaves(bigger_than_the_limit):
+    """No pool option: every expert would not fit under the limit, so generate takes the pool
+    ``--memory-budget auto`` gives and says why; bench does too, and skips its in-memory comparison, saying why,
+    instead of being killed."""
+    model, _ = bigger_than_the_limit
+    run = _limited_cli("generate", "--model", str(model), "--max-tokens", "4", "--io-mode", "direct")
+    assert run.returncode == 0 and not run.killed_for_memory, run.stderr[-2000:]
+    assert "does not fit in the" in run.stderr and "--memory-budget auto" in run.stderr
+    assert run.peak_bytes is not None and run.peak_bytes <= LIMIT
+    bench = _limited_cli("bench", "--model", str(model), "--max-tokens", "4", "--repeat", "1", "--warmup", "0")
+    assert bench.returncode == 0 and not bench.killed_for_memory, bench.stderr[-2000:]
+    assert "no in-memory comparison: mlx-lm's in-memory model of" in bench.stderr
+    sweep = _limited_cli("bench", "--model", str(model), "--sweep")
+    assert sweep.returncode != 0 and not sweep.killed_for_memory
+    assert "bench --sweep measures against mlx-lm's in-memory model" in sweep.stderr
+    assert "Traceback" not in sweep.stderr

@@ -98,8 +98,8 @@ def test_plan_prints_without_loading_and_auto_budget_sizes_the_pool(model_dir):
     assert "memory plan: dense weights" in plan.stdout and "margin left" in plan.stdout
     experts = json.loads((model_dir / "config.json").read_text())["num_experts"]
     assert f"{experts} of {experts} experts" in plan.stdout and f"cut to {experts}" in plan.stdout  # far more than 25 MB here
-    small = _cli("plan", "--model", str(model_dir), "--memory-budget", "100M")
-    assert small.returncode == 2 and "--memory-budget 100.0 MB is below the dense weights" in small.stderr
+    small = _cli("plan", "--model", str(model_dir), "--memory-budget", "4M")
+    assert small.returncode == 2 and "--memory-budget 4.0 MB is below the dense weights" in small.stderr
     assert "Traceback" not in small.stderr
     generate = _cli("generate", "--model", str(model_dir), "--pool-slots", "6", "--max-tokens", "2")
     assert generate.returncode == 0 and generate.stderr.startswith("memory plan:"), generate.stderr

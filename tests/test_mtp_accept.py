@@ -31,11 +31,11 @@ class OracleDrafter:
         return drafts
 
 
-def expected(plan, K):
-    """Statistics the plan implies: steps until MAX_TOKENS ids exist, and what each commit mode does."""
+def expected(plan, K, max_tokens):
+    """Statistics the plan implies: steps until ``max_tokens`` ids exist, and what each commit mode does."""
     tokens, used = 1, []
     for a in plan:
-        if tokens >= MAX_TOKENS:
+        if tokens >= max_tokens:
             break
         used.append(a)
         tokens += a + 1
@@ -46,15 +46,16 @@ def expected(plan, K):
 
 @pytest.mark.parametrize("verify_mode", ["direct", "replay"])
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_every_accept_length_commits_exactly(mtp_model, oracle, prompt_ids, K, verify_mode):
+def test_every_accept_length_commits_exactly(mtp_model, oracle, prompt_ids, exact_tokens, K, verify_mode):
     sm = mtp_model
     ids = prompt_ids[1]
-    greedy = oracle.ids(1, MAX_TOKENS + K)
+    n = min(MAX_TOKENS, exact_tokens - K)  # the drafter reads up to K ids past the last
+    greedy = oracle.ids(1, n + K)
     plan = list(itertools.islice(itertools.cycle(range(K)), 64))  # accept 0, 1, .., K-1, 0, 1, ..
     drafter = OracleDrafter(greedy, plan, len(ids), sm.model.args.vocab_size)
-    out, stats = mtp_generate(sm.model, drafter, ids, MAX_TOKENS, K, verify_mode)
-    want = expected(plan, K)
-    assert out == greedy[:MAX_TOKENS]
+    out, stats = mtp_generate(sm.model, drafter, ids, n, K, verify_mode)
+    want = expected(plan, K, n)
+    assert out == greedy[:n]
     assert set(want["accept_hist"]) == set(range(K))
     assert stats["steps"] == want["steps"]
     assert stats["accept_hist"] == want["accept_hist"]

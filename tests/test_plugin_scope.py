@@ -63,3 +63,10 @@ def test_an_option_value_pytest_takes_for_its_rootdir_is_said_in_one_line(pytest
     assert f"write --streaming-model={model}" in spaced.stderr
     joined = _pytest(pytestconfig.rootpath, "--co", "-q", "-m", "exact", f"--streaming-model={model}")
     assert joined.returncode == 0, joined.stdout + joined.stderr
+
+
+@pytest.mark.parametrize("tokens", ["8", "65"])
+def test_exact_tokens_out_of_range_is_said_in_one_line(pytestconfig, tokens):
+    done = _pytest(pytestconfig.rootpath, "--co", "-q", "-m", "exact", f"--streaming-exact-tokens={tokens}")
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR
+    assert f"--streaming-exact-tokens={tokens}: give 16 to 64" in done.stderr and "Traceback" not in done.stderr

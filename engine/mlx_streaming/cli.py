@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from .config import ENV_NAMES, StreamingConfig, format_size, parse_size
+from .config import DEFAULT_MEMORY_ALLOWANCE, ENV_NAMES, StreamingConfig, format_size, parse_size
 from .errors import CheckpointError, ConfigError, OutputError, StreamingError
 
 DESCRIPTION = """Run Mixture-of-Experts models larger than memory on MLX: dense weights resident, experts
@@ -69,14 +69,15 @@ def _budget(text: str) -> int:
 
 def _default(field: str) -> str:
     value = getattr(DEFAULTS, field)
-    return format_size(value) if field in ("staging_bytes", "memory_allowance") else repr(value)
+    return format_size(value) if field == "staging_bytes" else repr(value)
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     """What every command that builds a streaming model takes: the model, the pool, the reads."""
     p.epilog = ENV_HELP
     g = p.add_argument_group("model and expert pool (at most one of --pool-slots, --pool-bytes, --pool-fraction, "
-                             "--memory-budget; none: every expert resident)")
+                             "--memory-budget; none: every expert resident where the whole model fits in memory, "
+                             "else the pool --memory-budget auto gives)")
     g.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the embedded default model)")
     g.add_argument("--pool-slots", type=int, metavar="N", help="resident experts per MoE layer")
     g.add_argument("--pool-bytes", type=_size, metavar="SIZE", help="bytes of resident experts, all layers together, e.g. 2G")
@@ -84,8 +85,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="the share of each MoE layer's experts kept resident, e.g. 0.25")
     g.add_argument("--memory-budget", type=_budget, metavar="SIZE",
                    help="bytes for the whole process, e.g. 24G, or auto (80%% of the memory available now); the pool "
-                        f"gets what the dense weights, {_default('memory_allowance')} for caches and prefetch "
-                        "staging leave")
+                        f"gets what the dense weights, {format_size(DEFAULT_MEMORY_ALLOWANCE)} for caches (a quarter "
+                        "of a budget under four times that) and prefetch staging leave")
     g.add_argument("--preload", action="store_true", default=None,
                    help="read every expert into the pool at build (needs a pool that holds every expert): nothing "
                         "is read while decoding and no forward waits for a miss check (MLX_STREAMING_PRELOAD=1)")

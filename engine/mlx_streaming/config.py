@@ -24,8 +24,8 @@ MISS_CHECKS = ("token", "layer")
 #: acceptance falls with every draft position, so a larger K only burns time (``KChooser`` tries 1 to 4).
 MAX_K = 16
 
-#: Memory kept free for KV caches, activations and temporaries when the pool size is derived from
-#: ``memory_budget``: the pool gets ``memory_budget - dense weights - memory_allowance``.
+#: Memory kept free for KV caches, activations and temporaries when the pool size is derived from a memory
+#: budget: the pool gets ``budget - dense weights - allowance``. A budget under four times this keeps a quarter.
 DEFAULT_MEMORY_ALLOWANCE = 512 << 20
 
 
@@ -45,7 +45,9 @@ class StreamingConfig:
     memory_budget: Optional[int] = None
     #: The share of each MoE layer's experts kept resident (0.25: a quarter of them, rounded).
     pool_fraction: Optional[float] = None
-    memory_allowance: int = DEFAULT_MEMORY_ALLOWANCE
+    #: Bytes a memory budget keeps for caches and activations (None: ``DEFAULT_MEMORY_ALLOWANCE``, or a quarter
+    #: of a budget too small for it).
+    memory_allowance: Optional[int] = None
     #: ``buffered`` reads through the page cache; ``direct`` bypasses it (O_DIRECT / F_NOCACHE).
     io_mode: str = "buffered"
     #: Read experts from the packed layout in this folder (``mlx-streaming repack``) instead of the shards.
@@ -131,7 +133,7 @@ class StreamingConfig:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("pin_hot", "memory_allowance", "warmup_tokens", "prefetch_layer_budget",
                      "prefetch_forward_budget"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
 
     def replace(self, **changes) -> "StreamingConfig":

@@ -147,16 +147,24 @@ def open_checkpoint(path: Path, config: StreamingConfig) -> _Checkpoint:
 def _plan(ckpt: _Checkpoint, config: StreamingConfig) -> MemoryPlan:
     staging = config.staging_bytes if config.prefetch else 0
     index = ckpt.index
-    slots, note = pool_capacity(config, index.num_experts, experts_per_token(ckpt.model_config), index.expert_bytes,
-                                len(ckpt.sites), ckpt.dense_bytes + ckpt.mtp_dense_bytes, staging)
-    return MemoryPlan(ckpt.dense_bytes, ckpt.mtp_dense_bytes, slots, index.num_experts, len(ckpt.sites),
-                      index.expert_bytes, staging, config.memory_allowance, config.memory_budget, note)
+    pool = pool_capacity(config, index.num_experts, experts_per_token(ckpt.model_config), index.expert_bytes,
+                         len(ckpt.sites), ckpt.dense_bytes + ckpt.mtp_dense_bytes, staging)
+    return MemoryPlan(ckpt.dense_bytes, ckpt.mtp_dense_bytes, pool.slots, index.num_experts, len(ckpt.sites),
+                      index.expert_bytes, staging, pool.allowance, pool.budget, pool.note)
 
 
 def plan_memory(path, config: Optional[StreamingConfig] = None) -> MemoryPlan:
     """The memory plan of building ``path`` with ``config``, from the checkpoint's headers (no weight is read)."""
     config = config or StreamingConfig()
     return _plan(open_checkpoint(Path(path), config), config)
+
+
+def within_budget(path, config: StreamingConfig, slots: int) -> StreamingConfig:
+    """``config`` with a pool of ``slots`` experts per MoE layer, or of what its memory budget gives (where it sets
+    one), whichever is less: a smaller pool, never a process over its budget."""
+    if config.memory_budget is not None:
+        slots = min(slots, plan_memory(path, config).slots)
+    return config.with_pool(pool_slots=slots)
 
 
 def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader: Optional[ExpertReader] = None) -> StreamingModel:

@@ -20,10 +20,12 @@ from .errors import PoolTooSmallError
 AUTO_BUDGET_SHARE = 0.8
 
 
-def allowance_within(budget: int) -> int:
-    """The caches' allowance for a process given ``budget`` bytes in all: the default, or a quarter of a budget
-    too small for it (where the default would leave no pool)."""
-    return min(DEFAULT_MEMORY_ALLOWANCE, budget // 4)
+def allowance_within(config: StreamingConfig, budget: Optional[int]) -> int:
+    """The caches' allowance under ``budget`` bytes in all (None: no budget): ``config.memory_allowance`` where it
+    is set, else the default, or a quarter of a budget too small for it (where the default would leave no pool)."""
+    if config.memory_allowance is not None:
+        return config.memory_allowance
+    return DEFAULT_MEMORY_ALLOWANCE if budget is None else min(DEFAULT_MEMORY_ALLOWANCE, budget // 4)
 
 
 def auto_memory_budget() -> int:
@@ -32,29 +34,54 @@ def auto_memory_budget() -> int:
     return int(cgroup.available_bytes() * AUTO_BUDGET_SHARE)
 
 
+@dataclass(frozen=True)
+class PoolSize:
+    """What ``pool_capacity`` decided: slots per MoE layer, the one line saying so, and the memory budget and
+    caches' allowance it was sized under (``budget`` None where no budget sized it)."""
+    slots: int
+    note: str
+    budget: Optional[int]
+    allowance: int
+
+
 def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_bytes: int, moe_layers: int,
-                  dense_bytes: int, staging_bytes: int = 0) -> Tuple[int, str]:
-    """Slots per MoE layer from whichever sizing knob is set (none: every expert resident), and one line
-    saying what the pool became. A pool bigger than the model's experts is cut to them (and says so); one
-    below ``top_k`` is refused, naming the knob."""
+                  dense_bytes: int, staging_bytes: int = 0) -> PoolSize:
+    """The pool from whichever sizing knob is set. With none set, every expert is resident where the whole model
+    fits in what this process may take, else the pool is the one ``--memory-budget auto`` gives (the line says
+    why). A pool bigger than the model's experts is cut to them (and says so); one below ``top_k`` is refused,
+    naming the knob."""
     layer_bytes = expert_bytes * moe_layers
+    budget = config.memory_budget
+
+    def within(asked: str) -> int:
+        allowance = allowance_within(config, budget)
+        left = budget - dense_bytes - allowance - staging_bytes
+        if left <= 0:
+            raise PoolTooSmallError(
+                f"{asked} is below the dense weights ({format_size(dense_bytes)}) plus the caches' allowance "
+                f"({format_size(allowance)}) plus prefetch staging ({format_size(staging_bytes)}): "
+                f"nothing is left for the expert pool")
+        return left // layer_bytes
+
     if config.pool_slots is not None:
         slots, asked = config.pool_slots, f"pool_slots={config.pool_slots}"
     elif config.pool_bytes is not None:
         slots, asked = config.pool_bytes // layer_bytes, f"pool_bytes={format_size(config.pool_bytes)}"
-    elif config.memory_budget is not None:
-        left = config.memory_budget - dense_bytes - config.memory_allowance - staging_bytes
-        asked = f"memory_budget={format_size(config.memory_budget)}"
-        if left <= 0:
-            raise PoolTooSmallError(
-                f"{asked} is below the dense weights ({format_size(dense_bytes)}) plus memory_allowance "
-                f"({format_size(config.memory_allowance)}) plus prefetch staging ({format_size(staging_bytes)}): "
-                f"nothing is left for the expert pool")
-        slots = left // layer_bytes
+    elif budget is not None:
+        asked = f"memory_budget={format_size(budget)}"
+        slots = within(asked)
     elif config.pool_fraction is not None:
         slots, asked = round(num_experts * config.pool_fraction), f"pool_fraction={config.pool_fraction}"
     else:
-        slots, asked = num_experts, "no pool size given"
+        every = dense_bytes + num_experts * layer_bytes + allowance_within(config, None) + staging_bytes
+        available = cgroup.available_bytes()
+        if every <= available:
+            slots, asked = num_experts, "no pool size given"
+        else:
+            budget = auto_memory_budget()
+            asked = (f"no pool size given, and the whole model ({format_size(every)}) does not fit in the "
+                     f"{format_size(available)} this process may take: memory_budget=auto, {format_size(budget)}")
+            slots = within(asked)
     if slots < top_k:
         raise PoolTooSmallError(
             f"{asked} gives {slots} expert slots per MoE layer, below num_experts_per_tok={top_k}: one token needs "
@@ -63,9 +90,9 @@ def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_
     note = ""
     if slots > num_experts:
         slots, note = num_experts, f", more than the model has: cut to {num_experts}"
-    return slots, (f"pool: {slots} of {num_experts} experts per MoE layer x {moe_layers} layers = "
-                   f"{format_size(slots * layer_bytes)} ({asked}{note})")
-
+    line = (f"pool: {slots} of {num_experts} experts per MoE layer x {moe_layers} layers = "
+            f"{format_size(slots * layer_bytes)} ({asked}{note})")
+    return PoolSize(slots, line, budget, allowance_within(config, budget))
 
 
 @dataclass

@@ -29,12 +29,14 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from ..config import StreamingConfig
+from ..errors import ConfigError
 from ..generate import greedy_generate, greedy_steps
 from ..io.reader import READ_THREADS, ExpertReader
 from ..mtp.drafter import MTPDrafter
 from ..mtp.profile import union_profile
 from ..mtp.speculative import mtp_generate
 from ..mtp.triage import first_divergence
+from .reference import InMemoryPlan
 from .report import diagnostics_report
 
 
@@ -108,6 +110,10 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
     from ..model import build_streaming_model
     from .memory import memory_snapshot
 
+    inmemory_plan = InMemoryPlan(model_dir)
+    if compare_inmemory and not inmemory_plan.fits:
+        _say(f"no in-memory comparison: {inmemory_plan.why_not}")
+        compare_inmemory = False
     mark = _memory_mark()
     _say(f"building the streaming model from {model_dir}")
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
@@ -173,6 +179,13 @@ def _margins(model, prompt_ids, n, chunk) -> list:
     margins = []
     greedy_generate(model, prompt_ids, n, chunk, margins=margins)
     return margins
+
+
+def _refuse_unless_inmemory_fits(model_dir: Path, mode: str) -> None:
+    """One line instead of the kernel's kill, for a mode that measures against mlx-lm's in-memory model."""
+    plan = InMemoryPlan(model_dir)
+    if not plan.fits:
+        raise ConfigError(f"bench {mode} measures against mlx-lm's in-memory model, and {plan.why_not}")
 
 
 def _inmemory(model_dir: Path, config: StreamingConfig, prompt_ids) -> dict:
@@ -258,6 +271,7 @@ def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=
 
     from ..model import build_streaming_model
 
+    _refuse_unless_inmemory_fits(model_dir, "--sweep")
     prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
     inmemory = _inmemory(model_dir, config, prompt_ids)
     reference = inmemory["ids"]
@@ -584,6 +598,7 @@ def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
 
     from ..model import build_streaming_model
 
+    _refuse_unless_inmemory_fits(model_dir, "--overhead")
     model, tokenizer = mlx_lm.load(str(model_dir))
     prompt_ids = tokenizer.encode(config.prompt)
     has_mtp = (Path(model_dir) / "mtp.safetensors").exists() or config.mtp_path

@@ -114,12 +114,23 @@ def build(model_dir, mtp_path, config, scenario: Scenario, plant_s: float = 0.0)
     changes = dict(mtp=mtp_path.exists(), mtp_path=str(mtp_path), **scenario.changes)
     if plant_s:
         changes["plant_s"] = plant_s
-    config = config.replace(**changes).with_pool()
+    config = config.replace(**changes)
     if scenario.pool == "quarter":
-        config = config.with_pool(pool_fraction=0.25).replace(io_mode="direct")
+        config = quarter_pool(model_dir, config).replace(io_mode="direct")
     else:
-        config = config.replace(preload=True)
+        config = config.with_pool().replace(preload=True)
     return build_streaming_model(model_dir, config)
+
+
+def quarter_pool(model_dir, config):
+    """``config`` with a quarter of each MoE layer's experts resident, or, where ``config`` sets a memory budget
+    (the suite's, for a model that does not fit), that budget's pool where it is less."""
+    quarter = config.with_pool(pool_fraction=0.25)
+    if config.memory_budget is None:
+        return quarter
+    from mlx_streaming.model import plan_memory, within_budget
+
+    return within_budget(model_dir, config, plan_memory(model_dir, quarter).slots)
 
 
 def greedy_round(model, prompt, tokens: int) -> Callable[[str], tuple]:

@@ -28,6 +28,10 @@ TEST_PROMPTS = (
     "Once upon a time, in a land far away,",
 )
 OPTION_PREFIX = "--streaming-"
+#: Greedy steps the live oracle takes for each of ``TEST_PROMPTS`` (the most any exactness check compares).
+ORACLE_TOKENS = 64
+#: The exactness checks' steps where mlx-lm's in-memory model does not fit, and the fewest allowed.
+UNLOADABLE_EXACT_TOKENS = MIN_EXACT_TOKENS = 16
 
 
 def pytest_addoption(parser):
@@ -54,6 +58,11 @@ def pytest_addoption(parser):
                     help="record the greedy oracle's ids and top-2 margins for the test prompts into "
                          "baselines/references/ (in memory where the model fits, else layer by layer), for checking "
                          "a model the machine cannot hold in memory")
+    group.addoption("--streaming-exact-tokens", type=int, default=None, metavar="N",
+                    help="greedy steps each exactness check compares, at most (default: each check's own, up to "
+                         f"{ORACLE_TOKENS}, where mlx-lm's in-memory model fits; {UNLOADABLE_EXACT_TOKENS} where it does "
+                         "not, since such a model decodes slowly; at least "
+                         f"{MIN_EXACT_TOKENS}, which every accept length of K=4 needs)")
     group.addoption("--streaming-perf-base", default=None, metavar="REV",
                     help="measure git revision REV's engine on this machine, round for round beside the current tree's, "
                          "and judge speed against it (default: only where the stored baseline's machine profile "
@@ -105,6 +114,9 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"pytest took {value} (the value of {option}) for its root directory ({config.rootpath}), so this "
             f"project's configuration was not read: write {option}={value}")
+    tokens = config.getoption("--streaming-exact-tokens")
+    if tokens is not None and not MIN_EXACT_TOKENS <= tokens <= ORACLE_TOKENS:
+        raise pytest.UsageError(f"--streaming-exact-tokens={tokens}: give {MIN_EXACT_TOKENS} to {ORACLE_TOKENS}")
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if _perf_selected(config) and (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
@@ -236,20 +248,42 @@ def perf_yardstick(model_dir, memory_plan, prompt_ids):
     return Yardstick.choose(model_dir, prompt_ids[0], memory_plan.fits)
 
 
+#: Streaming models the suite holds at once (the model, the model with its MTP head, one a test builds).
+MODELS_AT_ONCE = 3
+
+
 @pytest.fixture(scope="session")
 def streaming_config(request, memory_plan):
     """The suite's engine settings. With no pool option, every expert is resident where the in-memory model
-    fits; where it does not, the streaming models the suite builds (the model, and the model with its MTP head)
-    share the memory budget this process may take."""
+    fits. Where it does not, the models the suite holds at once share the memory budget this process may take,
+    and byte-truth verification is on: then the oracle is a recorded reference, and verification shows the
+    streamed bytes are the checkpoint's."""
     from ..config import StreamingConfig
-    from ..plan import AUTO_BUDGET_SHARE, allowance_within
+    from ..plan import AUTO_BUDGET_SHARE
 
     slots = request.config.getoption("--streaming-pool-slots")
     io_mode = request.config.getoption("--streaming-io-mode")
     if slots or memory_plan.fits:
         return StreamingConfig(pool_slots=slots, io_mode=io_mode)
-    budget = int(memory_plan.available * AUTO_BUDGET_SHARE / 2)
-    return StreamingConfig(memory_budget=budget, memory_allowance=allowance_within(budget), io_mode=io_mode)
+    budget = int(memory_plan.available * AUTO_BUDGET_SHARE / MODELS_AT_ONCE)
+    return StreamingConfig(memory_budget=budget, io_mode=io_mode, verify=True)
+
+
+@pytest.fixture(scope="session")
+def pool_config(model_dir, streaming_config):
+    """``pool_config(slots, **changes)``: the suite's engine settings with ``changes`` and a pool of ``slots``
+    experts per MoE layer, or of what the suite's budget gives one model where that is less
+    (``model.within_budget``)."""
+    from ..model import within_budget
+
+    return lambda slots, **changes: within_budget(model_dir, streaming_config.replace(**changes), slots)
+
+
+@pytest.fixture(scope="session")
+def exact_tokens(request, memory_plan) -> int:
+    """The most greedy steps an exactness check compares (``--streaming-exact-tokens``)."""
+    chosen = request.config.getoption("--streaming-exact-tokens")
+    return chosen or (ORACLE_TOKENS if memory_plan.fits else UNLOADABLE_EXACT_TOKENS)
 
 
 @pytest.fixture(scope="session")
@@ -313,6 +347,10 @@ def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids, perf_y
         yield PerfBase(config)
         return
     rev, why = chosen
+    if streaming_config.memory_budget is not None:
+        yield PerfBase(config, why_not=f"{model_dir} does not fit in memory, and a base revision's engine beside "
+                                       "this one would need as much again")
+        return
     if not rev:
         yield PerfBase(config, why_not="the stored baseline names no commit to measure beside")
         return
@@ -327,10 +365,6 @@ def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids, perf_y
     config._mlx_perf_mode = f"side by side: base revision {named} on this machine, {why}"
     with engine:
         yield PerfBase(config, engine)
-
-
-#: Greedy steps the oracle takes for each of ``TEST_PROMPTS`` (the most any test compares).
-ORACLE_TOKENS = 64
 
 
 class GreedyOracle:
@@ -408,7 +442,7 @@ class _file_lock:
 
 
 @pytest.fixture(scope="session")
-def oracle(request, model_dir, memory_plan, prompt_ids, tmp_path_factory):
+def oracle(request, model_dir, memory_plan, prompt_ids, exact_tokens, tmp_path_factory):
     """The greedy oracle of ``TEST_PROMPTS``: live on mlx-lm's in-memory model where it fits (``GreedyOracle``,
     shared by every test and every xdist worker of the session: workers' temp folders sit in one folder per
     session; a lone process's is its own), else the recorded reference of this model
@@ -422,7 +456,7 @@ def oracle(request, model_dir, memory_plan, prompt_ids, tmp_path_factory):
     if request.config.getoption("--streaming-record-reference"):
         with _file_lock(session_folder / "reference.lock"):  # one recording per session, whatever the workers
             if not (session_folder / "reference.recorded").exists():
-                _record_reference(request, path, model_dir, memory_plan, prompt_ids, session_folder)
+                _record_reference(request, path, model_dir, memory_plan, prompt_ids, exact_tokens, session_folder)
                 (session_folder / "reference.recorded").touch()
     if memory_plan.fits:
         return GreedyOracle(request.getfixturevalue("reference_model"), prompt_ids, session_folder)
@@ -451,15 +485,16 @@ def _references_folder(config) -> Path:
     return Path(config.invocation_params.dir, folder) / "references"
 
 
-def _record_reference(request, path: Path, model_dir: Path, memory_plan, prompt_ids, folder: Path) -> None:
-    """The greedy oracle's ids and margins for every test prompt, ``ORACLE_TOKENS`` steps, into ``path``: mlx-lm's
+def _record_reference(request, path: Path, model_dir: Path, memory_plan, prompt_ids, tokens: int,
+                      folder: Path) -> None:
+    """The greedy oracle's ids and margins for every test prompt, ``tokens`` steps, into ``path``: mlx-lm's
     in-memory model where it fits, else mlx-lm's model computed layer by layer (one layer's weights in memory)."""
     from . import reference
     from ..generate import top2_margin
 
     if memory_plan.fits:
         live = GreedyOracle(request.getfixturevalue("reference_model"), prompt_ids, folder)
-        runs = [{"ids": live.ids(p, ORACLE_TOKENS), "margins": [list(m) for m in live.margins(p, ORACLE_TOKENS)]}
+        runs = [{"ids": live.ids(p, tokens), "margins": [list(m) for m in live.margins(p, tokens)]}
                 for p in range(len(prompt_ids))]
         kind = "mlx-lm in memory"
     else:
@@ -467,7 +502,7 @@ def _record_reference(request, path: Path, model_dir: Path, memory_plan, prompt_
 
         runs = []
         for ids in prompt_ids:
-            got, margins = layerwise_oracle.greedy(model_dir, ids, ORACLE_TOKENS)
+            got, margins = layerwise_oracle.greedy(model_dir, ids, tokens)
             runs.append({"ids": got, "margins": [list(m) for m in margins]})
         kind = "mlx-lm layer by layer"
     reference.write(path, model_dir, kind, TEST_PROMPTS, runs)

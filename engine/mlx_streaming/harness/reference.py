@@ -106,7 +106,10 @@ class RecordedOracle:
     def _check(self, prompt: int, n: int) -> None:
         held = len(self.runs[prompt]["ids"])
         if not 0 < n <= held:
-            raise ValueError(f"{self.path} holds {held} greedy steps per prompt; {n} asked for")
+            import pytest
+
+            pytest.fail(f"{self.path} holds {held} greedy steps per prompt and a check compares {n}: record it again "
+                        f"with --streaming-record-reference --streaming-exact-tokens={n}", pytrace=False)
 
     def ids(self, prompt: int, n: int) -> list:
         self._check(prompt, n)
