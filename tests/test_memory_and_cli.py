@@ -14,7 +14,7 @@ config = StreamingConfig(pool_slots=int(sys.argv[2]), mtp=True)
 plan = plan_memory(sys.argv[1], config)  # before anything is loaded
 sm = build_streaming_model(sys.argv[1], config)
 print(json.dumps({"active": mx.get_active_memory(), "dense": resident_dense_bytes(sm.model, sm.store),
-                  "mtp_dense": resident_dense_bytes(sm.mtp, sm.store), "pool": sm.store.nbytes,
+                  "mtp_dense": resident_dense_bytes(sm.mtp, sm.store), "pool": sm.store.pool.nbytes,
                   "plan": [plan.dense_bytes, plan.mtp_dense_bytes, plan.pool_bytes, plan.weights_bytes, plan.allowance],
                   "experts_on_disk": sm.store.index.expert_bytes * sm.store.index.num_experts * len(sm.store.index.layers)}))
 """

@@ -134,17 +134,19 @@ def test_token_costs_leave_out_the_prefill_step_and_the_last(monkeypatch):
     assert costs == [1.0, 1.5] and wall > 0
 
 
-def test_a_planted_slowdown_burns_its_seconds_on_the_decoding_thread(streaming_model):
+def test_a_planted_slowdown_burns_its_seconds_on_the_decoding_thread(model_dir):
+    """Injected from outside the engine, through the miss guard's forward hooks."""
     import time
 
-    store = streaming_model.store
-    store.plant_s = 0.05
-    try:
+    with build_streaming_model(model_dir) as sm:
+        planted = perf_rounds.PlantedSlowdown(sm, 0.05)
         start = time.thread_time()
-        store.plant()
+        sm.store.guard.run(1, lambda: None, lambda: None)  # a forward that computes nothing: its hooks alone
         assert 0.05 <= time.thread_time() - start < 0.1
-    finally:
-        store.plant_s = 0.0
+        planted.seconds = 0.0
+        start = time.thread_time()
+        sm.store.guard.run(1, lambda: None, lambda: None)
+        assert time.thread_time() - start < 0.01
 
 
 def test_a_scenario_without_baseline_is_reported_not_failed():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_streaming.cache.policy import LRUSlots
+from mlx_streaming.residency.policy import LRUSlots
 from mlx_streaming.errors import PoolTooSmallError
 
 

@@ -80,14 +80,14 @@ def test_pinned_experts_stay_resident_and_overpinning_is_an_error(model_dir, pro
         store = sm.store
         top_k = store.top_k
         greedy_generate(sm.model, prompt_ids[1], 8)
-        layer = store.recorded_layers()[0]
-        hot = store.hot(layer, 8 - top_k)
-        counts = store.routed_counts(layer)
+        layer = store.routed.layers()[0]
+        hot = store.routed.hot(layer, 8 - top_k)
+        counts = store.routed.of(layer)
         assert [counts[e] for e in hot] == sorted((counts[e] for e in hot), reverse=True)
         store.pin(layer, hot)
         greedy_generate(sm.model, prompt_ids[2], 16)
-        assert store.policies[layer].pinned == set(hot)
-        assert all(store.policies[layer].slot(e) is not None for e in hot)
+        assert store.pool.policies[layer].pinned == set(hot)
+        assert all(store.pool.policies[layer].slot(e) is not None for e in hot)
         with pytest.raises(PoolTooSmallError, match="pinning"):
             store.pin(layer, [e for e in range(store.index.num_experts) if e not in hot][:1])
 
@@ -108,6 +108,6 @@ def test_pin_hot_pins_the_calibration_runs_hottest_experts(model_dir):
     with build_streaming_model(model_dir, config) as sm:
         store = sm.store
         for layer in store.index.layers:
-            assert len(store.policies[layer].pinned) == 2
-            assert set(store.hot(layer, 2)) == store.policies[layer].pinned
+            assert len(store.pool.policies[layer].pinned) == 2
+            assert set(store.routed.hot(layer, 2)) == store.pool.policies[layer].pinned
         assert all(v == 0 for v in store.stats().values())

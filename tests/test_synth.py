@@ -79,7 +79,7 @@ def test_routing_is_not_uniform(model_dir, prompt_ids):
     with build_streaming_model(model_dir, StreamingConfig(record=True)) as sm:
         for ids in prompt_ids:
             greedy_generate(sm.model, ids, 16)
-        counts = np.stack([sm.store.routed_counts(layer) for layer in sm.store.recorded_layers()])
+        counts = np.stack([sm.store.routed.of(layer) for layer in sm.store.routed.layers()])
     share = np.sort(counts / counts.sum(axis=1, keepdims=True), axis=1)[:, ::-1]
     hottest_quarter = share[:, : counts.shape[1] // 4].sum(axis=1)
     # uniform routing would give the hottest quarter of the experts a quarter of the routes

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mlx_streaming.cache.trace import curve, read_trace, replay, write_trace
+from mlx_streaming.residency.trace import curve, read_trace, replay, write_trace
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import ConfigError, OutputError
 from mlx_streaming.generate import greedy_generate

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlx_streaming.cache.verify import ExpertVerifyError
+from mlx_streaming.residency.checksums import ExpertVerifyError
 from mlx_streaming.checkpoint.manifest import MANIFEST_FILE
 from mlx_streaming.checkpoint.output import MARKER_FILE
 from mlx_streaming.harness.synth import synth_checkpoint

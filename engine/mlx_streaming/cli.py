@@ -462,7 +462,7 @@ def cmd_generate(args) -> None:
             _say(diagnostics_report(sm.store))
         _say(json.dumps(stats))
         if args.record_trace:
-            from .cache.trace import write_trace
+            from .residency.trace import write_trace
 
             write_trace(args.record_trace, sm.store, len(prompt_ids), generated, decode_from)
             _say(f"routing trace: {len(sm.store.route_log)} MoE layer calls written to {args.record_trace}")
@@ -501,7 +501,7 @@ def cmd_evaluate(args) -> None:
 
 def cmd_plan(args) -> None:
     if args.trace:
-        from .cache.trace import curve, read_trace
+        from .residency.trace import curve, read_trace
         from .harness.report import trace_table
 
         trace = read_trace(args.trace)

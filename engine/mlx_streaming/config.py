@@ -52,7 +52,7 @@ class StreamingConfig:
     io_mode: str = "buffered"
     #: Read experts from the packed layout in this folder (``mlx-streaming repack``) instead of the shards.
     packed_dir: Optional[str] = None
-    #: Count every routed (layer, expert) so that ``store.hot(layer, n)`` can name the hottest experts.
+    #: Count every routed (layer, expert) so that ``store.routed.hot(layer, n)`` can name the hottest experts.
     record: bool = False
     #: Prompt tokens per forward during prefill.
     prefill_chunk: int = 256
@@ -91,9 +91,6 @@ class StreamingConfig:
     #: them all with no per-layer host sync and checks once at its end (a miss reruns it layer by layer);
     #: "layer" syncs at every MoE layer.
     miss_check: str = "token"
-    #: Test-only: CPU seconds burnt at the start of every forward, to plant a known slowdown for the perf
-    #: gate's power study (``bench --gate-power``) and its tests. 0 in any real use.
-    plant_s: float = 0.0
     #: Measure prediction recall, miss attribution and main-thread timings (costs time; off by default).
     diagnostics: bool = False
 

@@ -27,7 +27,7 @@ def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chun
     token n is read back, so the host builds the next graph while the device computes. A streaming model
     (one with a ``streaming_store``) leaves each forward's check of its routed experts queued; the check of
     step n is confirmed when its token is read back, and on a miss the step runs again, its experts loaded,
-    after the forward queued behind it is dropped (``ExpertStore.confirm``)."""
+    after the forward queued behind it is dropped (``MissGuard.confirm``)."""
     store = getattr(model, "streaming_store", None)
     cache = make_prompt_cache(model)
     logits = prefill_chunked(model, prompt_ids, cache, prefill_chunk)
@@ -38,7 +38,7 @@ def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chun
         for step in range(max_tokens):
             if step + 1 < max_tokens:
                 queued = _queue_step(model, token, cache, store)
-            if check is not None and not store.confirm(check):
+            if check is not None and not store.guard.confirm(check):
                 logits = model(previous.reshape(1, 1), cache=cache)[0, -1]
                 token = mx.argmax(logits)
                 if step + 1 < max_tokens:
@@ -48,7 +48,7 @@ def greedy_steps(model, prompt_ids: Sequence[int], max_tokens: int, prefill_chun
                 previous, (logits, token, check) = token, queued
     finally:
         if store is not None:
-            store.drop_queued()
+            store.guard.drop_queued()
 
 
 def _queue_step(model, token: mx.array, cache, store) -> tuple:
@@ -57,7 +57,7 @@ def _queue_step(model, token: mx.array, cache, store) -> tuple:
     if store is None:
         logits, checks = model(token.reshape(1, 1), cache=cache)[0, -1], ()
     else:
-        with store.queueing() as checks:
+        with store.guard.queueing() as checks:
             logits = model(token.reshape(1, 1), cache=cache)[0, -1]
     next_token = mx.argmax(logits)
     # the check's routes too: confirming it then waits for nothing the device has not already been given

@@ -19,9 +19,9 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from .adapters import qwen3_next
 from .adapters.switch_layers import defer_miss_checks, experts_per_token, expert_sites, install, wrap_layers
-from .cache.stats import ResidencyStats
-from .cache.store import ExpertStore
-from .cache.verify import ByteVerifier
+from .residency.stats import ResidencyStats
+from .residency.store import ExpertStore
+from .residency.checksums import ByteVerifier
 from .checkpoint.experts import ExpertIndex
 from .checkpoint.mtp_extract import MTP_FILE
 from .checkpoint.packed import packed_index
@@ -188,8 +188,8 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     store = ExpertStore(index, reader, capacity, top_k, config.record, verifier=ByteVerifier(index, counters) if config.verify else None,
                         prefetcher=prefetcher, predictor=predictor,
                         prefetch_switch=PrefetchSwitch() if config.prefetch == "auto" else None, miss_check=config.miss_check,
-                        plant_s=config.plant_s, counters=counters)
-    install(ckpt.sites, store.pools, lambda site: StreamingSwitch(site.switch, site.layer, store))
+                        counters=counters)
+    install(ckpt.sites, store.pool.arrays, lambda site: StreamingSwitch(site.switch, site.layer, store))
     mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
     if predictor is not None:
         wrap_layers(ckpt.model, main_sites, store.before_layer)
@@ -215,7 +215,7 @@ def pin_hot_experts(sm: StreamingModel, n: int, calibration_tokens: int) -> None
     store.record = True
     greedy_generate(sm.model, sm.tokenizer.encode(sm.config.prompt), calibration_tokens, sm.config.prefill_chunk)
     store.record = recording
-    for layer in store.recorded_layers():
-        store.pin(layer, store.hot(layer, n))
+    for layer in store.routed.layers():
+        store.pin(layer, store.routed.hot(layer, n))
     sm.reset_stats()
 

@@ -174,29 +174,17 @@ def wrap_layers(model: nn.Module, sites: Mapping[int, ExpertSite], before: Calla
 
 def run_forward(store, signature: inspect.Signature, call: Callable, module: nn.Module, args, kwargs):
     """One forward of a streaming model through ``call(module, *args, **kwargs)`` (the model's own call or its
-    decoder stack's; ``signature`` is ``call``'s). Only the outermost entry counts: a forward the store lets
-    defer its miss check runs with no per-layer sync and is checked once, when its output is evaluated; if a
-    routed expert turns out not to be resident, the caches are restored and the forward runs again, layer by
-    layer (same ids, same counters). Inside ``store.queueing()`` the check is left queued for the caller
-    (``generate.greedy_steps``), which confirms it after queueing the next step."""
-    if store.in_forward:
-        return call(module, *args, **kwargs)
-    store.in_forward = True
-    try:
-        bound = signature.bind(module, *args, **kwargs).arguments
-        inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
-        tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
-        store.forward_starts(tokens)
-        saved = [] if store.counts_later else snapshot_caches(cache)  # nothing to restore: it never runs again
-        if saved is None or not store.begin_forward(tokens):
-            return call(module, *args, **kwargs)
-        out = call(module, *args, **kwargs)
-        if store.queue(out, lambda: restore_caches(cache, saved)) or store.end_forward(out):
-            return out
-        restore_caches(cache, saved)
-        return call(module, *args, **kwargs)
-    finally:
-        store.in_forward = False
+    decoder stack's; ``signature`` is ``call``'s), under the store's miss check (``residency.guard.MissGuard``),
+    with what restores its caches should it run again."""
+    bound = signature.bind(module, *args, **kwargs).arguments
+    inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
+    tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
+
+    def snapshot():
+        saved = snapshot_caches(cache)
+        return None if saved is None else lambda: restore_caches(cache, saved)
+
+    return store.guard.run(tokens, lambda: call(module, *args, **kwargs), snapshot)
 
 
 class DeferredCheckStack(_StandIn):

@@ -102,7 +102,7 @@ def _streaming_weights(sm) -> int:
     from .memory import resident_dense_bytes
 
     head = resident_dense_bytes(sm.mtp, sm.store) if sm.mtp is not None else 0
-    return resident_dense_bytes(sm.model, sm.store) + sm.store.nbytes + head
+    return resident_dense_bytes(sm.model, sm.store) + sm.store.pool.nbytes + head
 
 
 def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False) -> dict:
@@ -144,7 +144,7 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             "model": str(model_dir), "K": K, "max_tokens": n, "warmup": config.warmup_tokens, "repeat": config.repeat,
             "prompt": config.prompt, "prefill_chunk": chunk, "io_mode": config.io_mode,
             "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
-            "pinned_experts": sum(len(p.pinned) for p in sm.store.policies.values()),
+            "pinned_experts": sum(len(p.pinned) for p in sm.store.pool.policies.values()),
             "exact_match": spec_ids == greedy_ids,
             "n_mismatch": sum(a != b for a, b in zip(spec_ids, greedy_ids)),
             "first_divergence": None if divergence is None else {**divergence.__dict__, "near_tie": divergence.near_tie},
@@ -671,7 +671,7 @@ def _overhead_row(path: str, miss_check: Optional[str], rates, cpu_ms: float, st
             "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"])}
 
 
-#: The store's timed parts of a step, reported per token by ``bench --overhead`` (``cache.stats.FIELDS``).
+#: The store's timed parts of a step, reported per token by ``bench --overhead`` (``residency.stats.FIELDS``).
 OVERHEAD_PARTS = ("sync", "route", "read", "place")
 
 

@@ -57,16 +57,15 @@ def _record(models: Dict, reference, prompt, tokens: int, rounds: Dict[str, int]
         return perf_rounds.token_costs(greedy_steps(model, prompt, tokens), unit)[0]
 
     pairs = {scenario: ([], []) for scenario in models}
-    for scenario, sm in models.items():
-        sm.store.plant_s = plants.get(scenario, 0.0)
+    planted = [perf_rounds.PlantedSlowdown(sm, plants.get(scenario, 0.0)) for scenario, sm in models.items()]
     for n in range(max(rounds.values())):
         for scenario, sm in models.items():
             if n >= rounds[scenario]:
                 continue
             pairs[scenario][1].append(costs(reference))
             pairs[scenario][0].append(costs(sm.model))
-    for sm in models.values():
-        sm.store.plant_s = 0.0
+    for plant in planted:
+        plant.seconds = 0.0
     return pairs
 
 
@@ -162,6 +161,7 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
         for scenario, name in plan.items():
             definition = perf_rounds.SCENARIOS[name]
             sm = perf_rounds.build(model_dir, mtp_path, config, definition)
+            planted = perf_rounds.PlantedSlowdown(sm)
             try:
                 rounds = perf_rounds.Rounds(sm, perf_rounds.scenario_round(sm, definition, prompt, tokens),
                                             yardstick, tokens)
@@ -178,10 +178,10 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
                             for fraction in fractions:
                                 key = f"{condition} +{fraction:.0%}"
                                 b = base.round()
-                                sm.store.plant_s = fraction * cost[scenario]
+                                planted.seconds = fraction * cost[scenario]
                                 yard = rounds.yard()
                                 now = rounds.timed(False)["costs"]
-                                sm.store.plant_s = 0.0
+                                planted.seconds = 0.0
                                 for into, pair in ((bases, (b["costs"], b["yard_costs"])), (pools, (now, yard))):
                                     costs, yards = into[key].setdefault(scenario, ([], []))
                                     costs.append(pair[0])

@@ -11,7 +11,7 @@ GB = 1e9
 
 def resident_dense_bytes(module, store) -> int:
     """Bytes of ``module``'s parameters that are not pool arrays."""
-    pool = {id(a) for p in store.pools.values() for a in p.values()}
+    pool = {id(a) for p in store.pool.arrays.values() for a in p.values()}
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()) if id(v) not in pool)
 
 
@@ -22,7 +22,7 @@ def memory_snapshot(sm) -> dict:
     active = mx.get_active_memory()
     parts = {
         "dense_weights": resident_dense_bytes(sm.model, sm.store),
-        "expert_pool": sm.store.nbytes,
+        "expert_pool": sm.store.pool.nbytes,
         "mtp_head": resident_dense_bytes(sm.mtp, sm.store) if sm.mtp else 0,
     }
     parts["activations_and_temporaries"] = max(0, active - sum(parts.values()))

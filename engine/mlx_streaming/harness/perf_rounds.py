@@ -111,15 +111,32 @@ def build(model_dir, mtp_path, config, scenario: Scenario, plant_s: float = 0.0)
     seconds per forward), for the gate's tests and power study; given to the engine only when set."""
     from mlx_streaming.model import build_streaming_model
 
-    changes = dict(mtp=mtp_path.exists(), mtp_path=str(mtp_path), **scenario.changes)
-    if plant_s:
-        changes["plant_s"] = plant_s
-    config = config.replace(**changes)
+    config = config.replace(mtp=mtp_path.exists(), mtp_path=str(mtp_path), **scenario.changes)
     if scenario.pool == "quarter":
         config = quarter_pool(model_dir, config).replace(io_mode="direct")
     else:
         config = config.with_pool().replace(preload=True)
-    return build_streaming_model(model_dir, config)
+    sm = build_streaming_model(model_dir, config)
+    if plant_s:
+        PlantedSlowdown(sm, plant_s)
+    return sm
+
+
+class PlantedSlowdown:
+    """A planted slowdown, for the perf gate's tests and power study: ``seconds`` of the decoding thread's CPU
+    time burnt at the start of every forward of ``sm``'s model, injected from outside through its miss guard's
+    forward hooks. The thread's own clock, not the process's: while MLX's compute thread runs beside it (a
+    decode loop one step ahead), the process's clock would count that work too and end the burn early."""
+
+    def __init__(self, sm, seconds: float = 0.0):
+        self.seconds = seconds
+        sm.store.guard.forward_hooks.append(self)
+
+    def __call__(self, tokens: int) -> None:
+        if self.seconds:
+            end = time.thread_time() + self.seconds
+            while time.thread_time() < end:
+                pass
 
 
 def quarter_pool(model_dir, config):

@@ -40,7 +40,7 @@ def diagnostics_report(store) -> str:
 
 
 def trace_table(rows: list, disk_gbps: float, pin_hot: int) -> str:
-    """``cache.trace.curve`` as a table: pool size against hit rate, disk traffic and the I/O-bound decode rate."""
+    """``residency.trace.curve`` as a table: pool size against hit rate, disk traffic and the I/O-bound decode rate."""
     from tabulate import tabulate
 
     body = [[r["slots"], r["pool_bytes"] / 1e6, r["hit_rate"], r["disk_bytes_per_token"] / 1e6, r["io_bound_tok_s"]]

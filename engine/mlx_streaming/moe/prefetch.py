@@ -16,7 +16,7 @@ import weakref
 from collections import OrderedDict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cache.stats import ResidencyStats
+from ..residency.stats import ResidencyStats
 from ..errors import ExpertIOError
 
 QUEUED, READING, READY, FAILED = "queued", "reading", "ready", "failed"

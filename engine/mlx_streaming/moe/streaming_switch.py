@@ -9,7 +9,7 @@ expert groups that fit, each evaluated before the next may evict its experts. Wh
 miss check (a forward expected to find every routed expert resident), the switch reads slots from the
 store's device-side table instead, with no host sync; the store checks the routes once the forward is done.
 On a complete pool (every expert preloaded) no call can miss: none syncs, and the store counts the routes in
-bulk (``ExpertStore._count_later``).
+bulk (``MissGuard``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache.store import ExpertStore
+from ..residency.store import ExpertStore
 
 
 class StreamingSwitch(nn.Module):
@@ -31,10 +31,10 @@ class StreamingSwitch(nn.Module):
         self._slot_of = np.zeros(store.index.num_experts, dtype=np.int32)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        store, layer = self._store, self.layer
-        if store.deferring:  # no sync here: slots come from the device-side table, misses are checked per token
-            return self.pool_mlp(x, store.defer(layer, indices))
-        if store.count_call_later(layer, indices):  # a complete pool: nothing to load, nothing to check
+        store, guard, layer = self._store, self._store.guard, self.layer
+        if guard.deferring:  # no sync here: slots come from the device-side table, misses are checked per token
+            return self.pool_mlp(x, guard.defer(layer, indices))
+        if guard.count_call_later(layer, indices):  # a complete pool: nothing to load, nothing to check
             return self.pool_mlp(x, indices)
         routed = store.to_host(indices)
         experts = store.route(layer, routed)
@@ -42,8 +42,7 @@ class StreamingSwitch(nn.Module):
         if len(groups) == 1:
             self._slot_of[experts] = store.acquire(layer, experts)
             store.layer_done(layer)
-            return self.pool_mlp(x, indices if store.identity_slots else mx.array(self._slot_of[routed]))
-        store.counters.grouped += 1
+            return self.pool_mlp(x, indices if store.pool.identity else mx.array(self._slot_of[routed]))
         y = None
         for group in groups:
             slots = store.acquire(layer, group)

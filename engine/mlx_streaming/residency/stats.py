@@ -7,6 +7,10 @@ built with; ``reset`` clears them all at once (``staging_peak`` restarts from wh
 
 from __future__ import annotations
 
+from typing import Iterable, List, Sequence
+
+import numpy as np
+
 #: name -> meaning. Integers unless the name ends in ``_s`` (seconds).
 FIELDS = {
     "hits": "routed experts already resident at acquire",
@@ -56,3 +60,26 @@ class ResidencyStats:
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in FIELDS}
+
+
+class RoutedCounts:
+    """How often each expert of each MoE layer was acquired while recording (``StreamingConfig.record``)."""
+
+    def __init__(self, layers: Iterable[int], num_experts: int):
+        self._counts = {layer: np.zeros(num_experts, dtype=np.int64) for layer in layers}
+
+    def add(self, layer: int, experts: Sequence[int]) -> None:
+        self._counts[layer][list(experts)] += 1
+
+    def layers(self) -> List[int]:
+        """The layers with anything recorded."""
+        return [layer for layer, counts in self._counts.items() if counts.any()]
+
+    def of(self, layer: int) -> np.ndarray:
+        return self._counts[layer].copy()
+
+    def hot(self, layer: int, n: int) -> List[int]:
+        """The ``n`` experts of ``layer`` most often acquired, hottest first."""
+        counts = self._counts[layer]
+        order = np.argsort(-counts, kind="stable")[:n]
+        return [int(e) for e in order if counts[e] > 0]

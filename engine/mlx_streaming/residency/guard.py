@@ -1,0 +1,234 @@
+"""MissGuard: the per-forward miss check, which lets a forward run with no host sync inside it.
+
+A forward of a few tokens whose forward before it found every routed expert resident runs deferred: each MoE
+layer takes its slots from the pool's device-side table and keeps its routes; when the forward is done, one
+sync brings every layer's routes to the host and one lookup checks them. If all were resident, they are
+accounted as the layer-by-layer path would account them; if not, the caches are restored and the forward runs
+again, layer by layer (same ids, same counters). Inside ``queueing`` (a decode loop one step ahead) the check is
+left queued, to be confirmed after the next step is queued on the device. On a complete pool (every expert
+resident, nothing watching routes but the hit counters) no forward can miss: routes are kept and counted in
+bulk, ``COUNT_EVERY`` forwards at a time, with no wait for the step in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .pool import ExpertPool
+from .stats import ResidencyStats
+
+#: A complete pool's forwards are counted in batches of this many (``_count_later``).
+COUNT_EVERY = 64
+#: Forwards of more tokens than this check layer by layer: a rerun of a long prefill chunk would cost more
+#: than the syncs it saves.
+DEFERRED_TOKENS = 16
+
+
+@dataclass
+class QueuedCheck:
+    """A deferred forward whose miss check waits for ``MissGuard.confirm``: its routes by layer, their
+    concatenation (lazy), its output, and what restores the caches to before it."""
+
+    routes: List[tuple]
+    flat: mx.array
+    output: mx.array
+    restore: Callable[[], None]
+
+
+def _flat(routes: List[tuple]) -> mx.array:
+    """Every route of ``routes`` ((layer, indices) pairs) in one lazy array, in order."""
+    return mx.concatenate([indices.reshape(-1) for _, indices in routes]) if routes else mx.zeros((0,), mx.uint32)
+
+
+class MissGuard:
+    def __init__(self, pool: ExpertPool, counters: ResidencyStats, miss_check: str,
+                 account: Callable[[List[tuple], np.ndarray], None], only_counted: Callable[[], bool]):
+        """``miss_check``: "token" (defer where it can) or "layer" (never). ``account(routes, hosted)`` accounts
+        a checked forward's routes layer by layer (recency, recording, prediction); ``only_counted()`` says
+        whether nothing but the hit counters watches routes, so that a checked forward is counted in one pass."""
+        self.pool, self.counters, self.miss_check = pool, counters, miss_check
+        self._account, self._only_counted = account, only_counted
+        #: Called with the forward's token count when a forward starts (the prefetch switch, or a planted
+        #: slowdown a test injects).
+        self.forward_hooks: List[Callable[[int], None]] = []
+        self.deferring = False
+        self._in_forward = False
+        self._deferred: List[tuple] = []
+        #: Deferred forwards not yet confirmed, oldest first (``queueing``), and where ``_queue`` puts new ones.
+        self._queued: List[QueuedCheck] = []
+        self._queue_into: Optional[list] = None
+        #: Forwards of a complete pool not yet counted, each its routes by layer (``_count_later``).
+        self._uncounted: List[List[tuple]] = []
+        #: Whether the forward running and the one before it found a routed expert not resident.
+        self._missed = self._previous_missed = False
+
+    def run(self, tokens: int, call: Callable[[], mx.array],
+            snapshot: Callable[[], Optional[Callable[[], None]]]) -> mx.array:
+        """One forward of ``tokens`` tokens, ``call()``; ``snapshot()`` returns what restores the caches to now
+        (None where they cannot be restored: then the forward checks layer by layer). Only the outermost entry
+        counts (a model's call runs its decoder stack's)."""
+        if self._in_forward:
+            return call()
+        self._in_forward = True
+        try:
+            self._previous_missed, self._missed = self._missed, False
+            for hook in self.forward_hooks:
+                hook(tokens)
+            restore = (lambda: None) if self.counts_later else snapshot()  # never rerun: nothing to restore
+            if restore is None or not self._begin(tokens):
+                return call()
+            out = call()
+            if self._queue(out, restore) or self._end(out):
+                return out
+            restore()
+            return call()
+        finally:
+            self._in_forward = False
+
+    def note_miss(self) -> None:
+        """A MoE layer call of the running forward routed to an expert not resident."""
+        self._missed |= self._in_forward
+
+    def _begin(self, tokens: int) -> bool:
+        """Whether this forward defers its check: "token" checks, a short call, and the forward before it found
+        every routed expert resident. After a miss forwards run layer by layer (none is wasted on a check that
+        fails) until one finds all its experts resident: a cold pool stays on the per-layer path, a warm one
+        goes back to deferring one forward after a rare miss."""
+        if self.miss_check != "token" or tokens > DEFERRED_TOKENS or self.deferring or self._previous_missed:
+            return False
+        self.deferring, self._deferred = True, []
+        self.counters.deferred_forwards += 1
+        return True
+
+    def defer(self, layer: int, indices: mx.array) -> mx.array:
+        """Slots for ``indices`` in a deferred forward, with no sync; the routes are kept for the check."""
+        self._deferred.append((layer, indices))
+        return self.pool.device_slots(layer, indices)
+
+    def _close(self) -> List[tuple]:
+        routes, self._deferred, self.deferring = self._deferred, [], False
+        return routes
+
+    def _end(self, output: mx.array) -> bool:
+        routes = self._close()
+        return self._count_later(routes) or self._check(routes, _flat(routes), output)
+
+    def _check(self, routes: List[tuple], flat: mx.array, output: mx.array) -> bool:
+        """Evaluate a deferred forward's ``output`` and routes (one sync); when every routed expert was resident,
+        account them and return True; else change nothing and return False (the caller reruns it)."""
+        start = time.perf_counter()
+        mx.eval(output, flat)
+        hosted = np.array(flat)
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
+        start = time.perf_counter()
+        keys = self.pool.keys(routes, hosted)
+        if not self.pool.all_resident(keys):
+            self.counters.route_s += time.perf_counter() - start
+            self.counters.deferred_retries += 1
+            self._missed = True
+            return False
+        if self._only_counted():
+            self.counters.fastpath += len(routes)
+            self.counters.hits += len(set(keys.tolist()))
+            self.counters.route_s += time.perf_counter() - start
+            return True
+        self.counters.route_s += time.perf_counter() - start
+        self._account(routes, hosted)
+        return True
+
+    # ------------------------------------------------------------ a complete pool: counted later, in bulk
+
+    @property
+    def counts_later(self) -> bool:
+        """Whether forwards are kept to be counted later: the pool is complete, the check is per token and
+        nothing but the hit counters watches routes. Such a forward never runs again."""
+        return self.pool.complete and self.miss_check == "token" and self._only_counted()
+
+    def _count_later(self, routes: List[tuple]) -> bool:
+        """Where ``counts_later``, keep ``routes`` to be counted with others and return True. Every
+        ``COUNT_EVERY`` forwards the ones before the newest are counted: a decode loop has read their tokens
+        back, so their routes are on the host's side already and counting them waits for nothing in flight."""
+        if not self.counts_later:
+            return False
+        self.counters.fastpath += len(routes)
+        self._uncounted.append(routes)
+        if len(self._uncounted) > COUNT_EVERY:
+            self.count_uncounted(keep_newest=True)
+        return True
+
+    def count_call_later(self, layer: int, indices: mx.array) -> bool:
+        """One MoE layer call outside a deferred forward (a long prefill, the MTP head), counted later as a
+        forward of one layer where the pool is complete; else False."""
+        return self._count_later([(layer, indices)])
+
+    def count_uncounted(self, keep_newest: bool = False) -> None:
+        """Count the hits of the forwards kept to be counted (all, or all but the newest): every layer's distinct
+        experts, per forward. Counted as one host sync, whether or not their routes were ready."""
+        if not self._uncounted:
+            return
+        split = len(self._uncounted) - keep_newest
+        forwards, self._uncounted = self._uncounted[:split], self._uncounted[split:]
+        routes = [route for forward in forwards for route in forward]
+        start = time.perf_counter()
+        hosted = np.concatenate([np.array(indices).reshape(-1) for _, indices in routes])
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
+        start = time.perf_counter()
+        offsets = [n * self.pool.table_size for n, forward in enumerate(forwards) for _ in forward]
+        self.counters.hits += len(set(self.pool.keys(routes, hosted, offsets).tolist()))
+        self.counters.route_s += time.perf_counter() - start
+
+    def forget_uncounted(self) -> None:
+        """Drop the forwards kept to be counted (a statistics reset: they ran before it)."""
+        self._uncounted = []
+
+    # ------------------------------------------------------------ checks queued by a decode loop one step ahead
+
+    @contextmanager
+    def queueing(self):
+        """Forwards run inside leave their deferred check queued, to be ``confirm``-ed by the caller after it
+        has queued the next step on the device; yields the list that receives each one's ``QueuedCheck``."""
+        checks: List[QueuedCheck] = []
+        self._queue_into = checks
+        try:
+            yield checks
+        finally:
+            self._queue_into = None
+
+    def _queue(self, output: mx.array, restore: Callable[[], None]) -> bool:
+        """Close the deferred forward that gave ``output`` without waiting, when ``queueing``; False otherwise."""
+        if self._queue_into is None:
+            return False
+        routes = self._close()
+        if self._count_later(routes):
+            return True
+        check = QueuedCheck(routes, _flat(routes), output, restore)
+        self._queued.append(check)
+        self._queue_into.append(check)
+        return True
+
+    def confirm(self, check: QueuedCheck) -> bool:
+        """Check the oldest queued forward. On a miss, wait for every queued forward (none may still read the
+        pool when a slot is written), restore the caches to before ``check``, drop them all, and return False:
+        the caller runs that step again, and its rerun goes layer by layer."""
+        assert self._queued and self._queued[0] is check, "queued checks are confirmed oldest first"
+        self._queued.pop(0)
+        if self._check(check.routes, check.flat, check.output):
+            return True
+        self.drop_queued()
+        check.restore()
+        return False
+
+    def drop_queued(self) -> None:
+        """Wait for the queued forwards and forget them unchecked (a decode loop that stops one step ahead)."""
+        if self._queued:
+            mx.eval([check.output for check in self._queued])
+            self.counters.dropped_forwards += len(self._queued)
+            self._queued = []

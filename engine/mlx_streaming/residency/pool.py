@@ -1,0 +1,107 @@
+"""ExpertPool: per MoE layer, pool arrays with ``capacity`` slots per expert tensor, the slot tables that say
+which expert each slot holds, and placement.
+
+The pool arrays are what the streaming switch computes with. Writing a slot (``arrays[slot] = x``) updates the
+array in place because nothing else holds its buffer between steps. The host's slot table is one array, a row
+per layer, kept with every placement and eviction, so that one lookup checks every layer's routes; the device's
+copy, per layer, serves forwards that take their slots without a host sync, and is rebuilt after a placement.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..checkpoint.experts import ExpertIndex
+from .policy import LRUSlots, expert_groups
+
+_NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+_MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
+
+
+def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
+    arr = mx.array(buf.view(_NP_DTYPES[dtype]).reshape(shape))
+    return arr.view(mx.bfloat16) if dtype == "BF16" else arr
+
+
+class ExpertPool:
+    def __init__(self, index: ExpertIndex, capacity: int):
+        self.index = index
+        self.capacity = min(capacity, index.num_experts)
+        #: Per layer, per expert tensor name, the pool array (``capacity`` slots).
+        self.arrays: Dict[int, Dict[str, mx.array]] = {
+            layer: {name: mx.zeros((self.capacity, *shape), dtype=_MX_DTYPES[dtype])
+                    for name, (dtype, shape) in index.tensor_specs.items()}
+            for layer in index.layers
+        }
+        mx.eval(self.arrays)
+        #: A pool with a slot for every expert keeps expert e in slot e: routes index it directly.
+        self.identity = self.capacity == index.num_experts
+        self.policies = {layer: LRUSlots(self.capacity, self.identity) for layer in index.layers}
+        #: Per layer, expert id -> slot (-1: not resident). A route's key in the table flattened is
+        #: ``_key_base[layer] + expert``: one number per (layer, expert), which a check both looks up and counts.
+        self._table = np.full((len(index.layers), index.num_experts), -1, dtype=np.int32)
+        self.slots = {layer: self._table[row] for row, layer in enumerate(index.layers)}
+        self._key_base = {layer: row * index.num_experts for row, layer in enumerate(index.layers)}
+        self._device: Dict[int, Optional[mx.array]] = dict.fromkeys(index.layers)
+        #: Every expert of every layer resident in a pool with a slot for each: then no forward can miss.
+        self.complete = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for arrays in self.arrays.values() for a in arrays.values())
+
+    def resident(self, layer: int, experts: Sequence[int]) -> bool:
+        slots = self.slots[layer]
+        return all(slots[e] >= 0 for e in experts)
+
+    def device_slots(self, layer: int, indices: mx.array) -> mx.array:
+        """Slots for routed ``indices`` from the device-side table, with no host sync (non-resident experts
+        point at slot 0: the caller checks residency later); ``indices`` themselves with identity slots."""
+        if self.identity:
+            return indices
+        if self._device[layer] is None:
+            self._device[layer] = mx.array(np.maximum(self.slots[layer], 0))
+        return self._device[layer][indices]
+
+    def keys(self, routes: List[tuple], hosted: np.ndarray, offsets: Optional[List[int]] = None) -> np.ndarray:
+        """One key per routed expert of ``routes`` ((layer, indices) pairs; ``hosted``: their expert ids,
+        concatenated on the host): its (layer, expert)'s flat index in the slot table, plus its forward's offset
+        (``offsets``, one per route) where several forwards are counted together, so each forward's stay apart."""
+        bases = np.array([self._key_base[layer] for layer, _ in routes])
+        if offsets is not None:
+            bases = bases + np.array(offsets)
+        return np.repeat(bases, [indices.size for _, indices in routes]) + hosted
+
+    def all_resident(self, keys: np.ndarray) -> bool:
+        return bool((self._table.reshape(-1)[keys] >= 0).all())
+
+    @property
+    def table_size(self) -> int:
+        """Keys per forward (``keys``'s offsets step by this)."""
+        return self._table.size
+
+    def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
+        """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""
+        return expert_groups(experts, self.policies[layer].pinned, self.capacity)
+
+    def place(self, layer: int, experts: List[int], staged: Dict[int, list], protected: set) -> Tuple[list, int]:
+        """Write each expert's ``staged`` host buffers (one per tensor, in ``index.slices`` order) into a free or
+        evicted slot of ``layer`` (never one of ``protected``); the arrays are left to evaluate. Returns the
+        (expert, slot) pairs placed and the number of experts evicted."""
+        arrays, policy, slots = self.arrays[layer], self.policies[layer], self.slots[layer]
+        placed, evictions = [], 0
+        for expert in experts:
+            slot, evicted = policy.place(expert, protected)
+            if evicted is not None:
+                evictions += 1
+                slots[evicted] = -1
+            slots[expert] = slot
+            for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
+                arrays[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
+            placed.append((expert, slot))
+        self._device[layer] = None
+        self.complete = self.identity and bool((self._table >= 0).all())
+        return placed, evictions

@@ -1,0 +1,261 @@
+"""ExpertStore: makes routed experts resident. It owns the pool (``pool.ExpertPool``), the per-forward miss
+check (``guard.MissGuard``) and the counters, and brings in the parts the model was built with: the reader,
+the prefetcher and its predictor, the byte verifier.
+
+``acquire`` makes the requested experts resident and says which slot holds each: bytes staged by the prefetcher
+are taken, the rest read in one batch, all before any slot changes hands (a failed read leaves the pool as it
+was), then placed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..checkpoint.experts import ExpertIndex
+from ..errors import ExpertIOError, PoolTooSmallError
+from ..io.reader import ExpertReader
+from .guard import MissGuard
+from .pool import ExpertPool
+from .stats import ResidencyStats, RoutedCounts
+
+#: Experts read per batch when ``fill`` makes a whole layer resident (bounds the host buffers of one read).
+FILL_BATCH = 64
+
+
+def _distinct(routed: np.ndarray) -> List[int]:
+    """The distinct expert ids of one layer call's routes, ascending (a set beats ``np.unique`` at these sizes)."""
+    return sorted(set(routed.ravel().tolist()))
+
+
+class ExpertStore:
+    def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
+                 verifier=None, prefetcher=None, predictor=None, prefetch_switch=None, miss_check: str = "token",
+                 counters: Optional[ResidencyStats] = None):
+        """``verifier`` (a ByteVerifier) checks every expert placed; ``prefetcher`` and ``predictor`` (both or
+        neither) read predicted experts in the background, every forward or, with ``prefetch_switch`` (a
+        ``PrefetchSwitch``), those it turns prefetch on for: the store is built with every part it uses, and
+        with the one ``counters`` object they all count into."""
+        if capacity < top_k:
+            raise PoolTooSmallError(
+                f"pool_slots={capacity} is below num_experts_per_tok={top_k}: one token needs {top_k} experts resident"
+            )
+        self.index, self.reader, self.top_k = index, reader, top_k
+        self.pool = ExpertPool(index, capacity)
+        self.capacity = self.pool.capacity
+        self.counters = counters or ResidencyStats()
+        self.guard = MissGuard(self.pool, self.counters, miss_check, self._account, self._only_counted)
+        self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
+        self.prefetch_switch, self.prefetching = prefetch_switch, prefetcher is not None
+        if prefetch_switch is not None:
+            self.guard.forward_hooks.append(self._switch_prefetch)
+        #: Count every routed (layer, expert) at acquire, into ``routed``.
+        self.record = record
+        self.routed = RoutedCounts(index.layers, index.num_experts)
+        #: When a list, every MoE layer call appends (layer, tokens in the call, its distinct experts, ascending):
+        #: the routing trace (``residency.trace``) and the union-of-experts profile. Off (None) unless asked for.
+        self.route_log = None
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.guard.forget_uncounted()  # forwards before the reset: not counted
+        self.counters.reset(self.prefetcher.staging_bytes if self.prefetcher else 0)
+        self.reader.reads = 0
+        if self.predictor is not None and self.predictor.diagnostics is not None:
+            self.predictor.diagnostics.reset_stats()
+
+    def stats(self) -> dict:
+        """Every counter (``residency.stats.FIELDS``), and what follows from them: ``demand_loads``,
+        ``prefetch_bytes``, ``bytes_read`` (every byte read from disk), ``read_calls`` (the reader's system
+        reads), and ``verify_from_manifest`` / ``prefetch_staging_bytes`` where those parts exist."""
+        self.guard.count_uncounted()
+        c = self.counters
+        out = c.as_dict()
+        out["demand_loads"] = c.misses - c.prefetched
+        out["prefetch_bytes"] = c.prefetch_loads * self.index.expert_bytes
+        out["bytes_read"] = c.demand_bytes + out["prefetch_bytes"]
+        out["read_calls"] = self.reader.reads
+        if self.verifier is not None:
+            out["verify_from_manifest"] = self.verifier.from_manifest
+        if self.prefetcher is not None:
+            out["prefetch_staging_bytes"] = self.prefetcher.staging_bytes
+        return out
+
+    def to_host(self, array: mx.array) -> np.ndarray:
+        """``array`` on the host: one counted, timed wait for the device."""
+        start = time.perf_counter()
+        host = np.array(array)
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
+        return host
+
+    def sync(self, arrays) -> None:
+        """``mx.eval(arrays)``: one counted, timed wait for the device."""
+        start = time.perf_counter()
+        mx.eval(arrays)
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
+
+    def route(self, layer: int, routed: np.ndarray, experts: Optional[List[int]] = None) -> List[int]:
+        """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts
+        (``experts``, where the caller has them already)."""
+        start = time.perf_counter()
+        experts = _distinct(routed) if experts is None else experts
+        if self.route_log is not None:
+            self.route_log.append((layer, routed.size // routed.shape[-1], experts))
+        if self.pool.resident(layer, experts):
+            self.counters.fastpath += 1
+        else:
+            self.counters.fallback += 1
+            self.guard.note_miss()
+        self.counters.route_s += time.perf_counter() - start
+        return experts
+
+    def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
+        """One call's distinct experts in groups that each fit the pool (one group, unless they do not all fit:
+        then the call is counted as grouped)."""
+        groups = self.pool.groups(layer, experts)
+        self.counters.grouped += len(groups) > 1
+        return groups
+
+    def _account(self, routes: List[tuple], hosted: np.ndarray) -> None:
+        """A checked forward's routes, accounted layer by layer as the per-layer path accounts them."""
+        sizes = [indices.size for _, indices in routes]
+        for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1])):
+            self.acquire(layer, self.route(layer, routed.reshape(indices.shape)))
+            self.layer_done(layer)
+
+    def _only_counted(self) -> bool:
+        """Whether a forward whose routed experts were all resident changes nothing but the hit counters: a pool
+        holding every expert (no recency to touch) with no recorder, route log, predictor or prefetcher."""
+        return (self.pool.identity and not self.record and self.route_log is None and self.predictor is None
+                and self.prefetcher is None)
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
+        """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
+        start = time.perf_counter()
+        policy = self.pool.policies[layer]
+        pinned = policy.pinned
+        loose = sum(e not in pinned for e in experts)
+        if loose > self.capacity - len(pinned):
+            raise PoolTooSmallError(
+                f"layer {layer}: {loose} unpinned experts needed at once, but the pool has "
+                f"{self.capacity - len(pinned)} unpinned slots (pool_slots={self.capacity})"
+            )
+        missing = policy.admit(experts)
+        if self.record:
+            self.routed.add(layer, experts)
+        if self.predictor is not None:
+            self.predictor.account(layer, experts, {e for e in experts if e not in missing}, self.prefetcher.state)
+        self.counters.hits += len(experts) - len(missing)
+        self.counters.route_s += time.perf_counter() - start
+        if missing:
+            self._load(layer, missing, protected=set(experts))
+        slots = self.pool.slots[layer]
+        return [int(slots[e]) for e in experts]
+
+    def _load(self, layer: int, experts: List[int], protected: set) -> None:
+        staged, taken = self._read(layer, experts)
+        start = time.perf_counter()
+        placed, evictions = self.pool.place(layer, experts, staged, protected)
+        self.sync(list(self.pool.arrays[layer].values()))
+        self.counters.place_s += time.perf_counter() - start
+        self.counters.evictions += evictions
+        self.counters.misses += len(experts)
+        self.counters.prefetched += taken
+        if self.verifier is not None:
+            for expert, slot in placed:
+                self.verifier.check(layer, expert, self.pool.arrays[layer], slot)
+
+    def _read(self, layer: int, experts: List[int]) -> Tuple[Dict[int, list], int]:
+        """Each expert's host buffers (taken from the prefetcher's staging, the rest read in one batch), and how
+        many were taken from staging."""
+        staged = {}
+        if self.prefetcher is not None:
+            for expert in experts:
+                buffers = self.prefetcher.take(layer, expert)
+                if buffers is not None:
+                    staged[expert] = buffers
+        taken = len(staged)
+        demand = [e for e in experts if e not in staged]
+        if not demand:
+            return staged, taken
+        start = time.perf_counter()
+        slices = [self.index.slices(layer, e) for e in demand]
+        try:
+            buffers = self.reader.read([(s.path, s.offset, s.nbytes) for per in slices for s in per])
+        except ExpertIOError as exc:
+            raise ExpertIOError(f"layer {layer} expert {demand[exc.range_index // len(slices[0])]}: {exc}") from None
+        self.counters.read_s += time.perf_counter() - start
+        per_expert = len(slices[0])
+        for i, e in enumerate(demand):
+            staged[e] = buffers[i * per_expert:(i + 1) * per_expert]
+        self.counters.demand_bytes += sum(s.nbytes for per in slices for s in per)
+        return staged, taken
+
+    def close(self) -> None:
+        """Stop the prefetcher's threads and close the reader's files."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.reader.close()
+
+    # ------------------------------------------------------------ prefetch
+
+    def _switch_prefetch(self, tokens: int) -> None:
+        """A forward starts: the prefetch switch decides whether it prefetches."""
+        self.prefetching = self.prefetch_switch.forward(tokens)
+        self.counters.prefetch_off_forwards += not self.prefetching
+
+    def before_layer(self, layer: int, x) -> None:
+        """Decoder layer ``layer`` is about to run on ``x``: submit the predicted experts not resident (not in
+        a forward that defers its miss check: it expects every expert resident, and predicting would sync)."""
+        if self.guard.deferring:
+            return
+        if layer == 0:
+            self.predictor.start_forward(x.shape[1])
+        if not self.prefetching:  # the prefetch switch turned it off for this forward
+            return
+        plan = self.predictor.predict(layer, x, self.to_host)
+        if plan is None:
+            return
+        target, ranked = plan
+        start = time.perf_counter()
+        policy = self.pool.policies[target]
+        missing = self.predictor.within_budget([e for e in ranked if policy.slot(e) is None])
+        accepted = self.prefetcher.submit(target, missing)
+        self.predictor.submitted(target, missing, accepted, time.perf_counter() - start)
+
+    def layer_done(self, layer: int) -> None:
+        """``layer``'s MoE block has its experts: what is still staged for it is stale."""
+        if self.prefetcher is not None:
+            self.prefetcher.drop_layer(layer)
+
+    # ------------------------------------------------------------ whole-pool operations
+
+    def fill(self) -> None:
+        """Make every expert of every layer resident (``StreamingConfig.preload``): the pool must have a slot
+        for each. The forwards that follow can miss nothing and are counted in bulk."""
+        if not self.pool.identity:
+            raise PoolTooSmallError(f"preload needs a pool that holds every expert: pool_slots={self.capacity} of "
+                                    f"{self.index.num_experts} experts per MoE layer")
+        experts = range(self.index.num_experts)
+        for layer in self.index.layers:
+            for start in range(0, len(experts), FILL_BATCH):
+                self.acquire(layer, experts[start:start + FILL_BATCH])
+
+    def pin(self, layer: int, experts: Iterable[int]) -> None:
+        """Load and keep ``experts`` forever; at least ``top_k`` slots must stay unpinned."""
+        policy = self.pool.policies[layer]
+        experts = [int(e) for e in experts]
+        total = len(policy.pinned | set(experts))
+        if total > self.capacity - self.top_k:
+            raise PoolTooSmallError(
+                f"layer {layer}: pinning {total} experts leaves fewer than num_experts_per_tok={self.top_k} "
+                f"of pool_slots={self.capacity} free"
+            )
+        self.acquire(layer, experts)
+        for e in experts:
+            policy.pin(e)
