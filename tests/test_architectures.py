@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from mlx_streaming.adapters.switch_layers import experts_per_token
+from mlx_streaming.runtime.sites import experts_per_token
 from mlx_streaming.harness.arch_synth import TINY_ARCHS, synth_arch
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import UnsupportedModelError

@@ -8,7 +8,6 @@ still proves the point in CI); the limit is 200 MB. The reference is recorded wh
 """
 
 import json
-import subprocess
 import sys
 
 import pytest

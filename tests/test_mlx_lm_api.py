@@ -233,3 +233,11 @@ def test_server_answers_the_official_openai_client(server, model_dir, inmemory_g
     with pytest.raises(openai.NotFoundError) as refused:
         client.completions.create(model="some/other-model", prompt=PROMPT, max_tokens=2)
     assert "is not served here" in refused.value.response.text
+
+
+def test_the_server_integration_refuses_an_mlx_lm_it_was_not_tested_with():
+    from mlx_streaming.integrations import UntestedMlxLmError, require_tested_mlx_lm
+
+    require_tested_mlx_lm("serve", "0.32.2")
+    with pytest.raises(UntestedMlxLmError, match=r"serve uses mlx-lm's server internals .* mlx-lm 0\.33\.0 is installed"):
+        require_tested_mlx_lm("serve", "0.33.0")

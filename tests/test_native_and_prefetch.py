@@ -18,7 +18,7 @@ from mlx_streaming.io import native
 from mlx_streaming.io.reader import ExpertReader
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.residency.stats import ResidencyStats
-from mlx_streaming.moe.prefetch import Prefetcher
+from mlx_streaming.prefetch.prefetcher import Prefetcher
 
 TWIN_FORCED = os.environ.get("MLX_STREAMING_NATIVE") == "0"
 

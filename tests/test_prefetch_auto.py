@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_streaming.moe.prefetch_auto import EXPLOIT, WINDOW, PrefetchSwitch
+from mlx_streaming.prefetch.switch import EXPLOIT, WINDOW, PrefetchSwitch
 
 
 class _Clock:

@@ -176,7 +176,7 @@ def test_an_empty_prompt_is_one_line():
 @pytest.mark.parametrize("args,needles", [
     (["--pool-bytes", "1K"], ["--pool-bytes 1.0 KB gives 0 expert slots", "at least 480.0 KB (8 MoE layers x 15.0 KB per expert)", "num_experts_per_tok=4"]),
     (["--memory-budget", "abc"], ["--memory-budget", "'abc' is not a size"]),
-    (["--memory-budget", "10M"], ["--memory-budget 10.0 MB is below the dense weights"]),
+    (["--memory-budget", "4M"], ["--memory-budget 4.0 MB is below the dense weights"]),
     (["--pool-slots", "2", "--pool-bytes", "1G"], ["at most one pool size", "--pool-slots 2", "--pool-bytes"]),
 ])
 def test_errors_name_the_flag_the_user_typed(args, needles):

@@ -77,7 +77,7 @@ class StreamingConfig:
     pin_cal_tokens: int = 32
     #: Background prefetch of predicted experts: predict from each layer's input the experts of this
     #: layer (``prefetch_ahead`` 0) or the next (1), each token's top ``top_k * prefetch_mult``.
-    #: ``"auto"``: on or off, whichever decodes faster, measured while decoding (``moe.prefetch_auto``).
+    #: ``"auto"``: on or off, whichever decodes faster, measured while decoding (``prefetch.switch``).
     prefetch: Union[bool, str] = False
     prefetch_ahead: int = 1
     prefetch_mult: int = 1

@@ -17,8 +17,9 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.utils import load_model, load_tokenizer
 
-from .adapters import qwen3_next
-from .adapters.switch_layers import defer_miss_checks, experts_per_token, expert_sites, install, wrap_layers
+from .runtime import qwen3_next
+from .runtime.patch import defer_miss_checks, install, install_state_capture, wrap_layers
+from .runtime.sites import experts_per_token, expert_sites
 from .residency.stats import ResidencyStats
 from .residency.store import ExpertStore
 from .residency.checksums import ByteVerifier
@@ -29,10 +30,10 @@ from .checkpoint.safetensors import read_checkpoint_headers, read_header
 from .config import StreamingConfig
 from .errors import CheckpointError, ConfigError, ConfigMismatchError, MissingTensorError, UnsupportedModelError
 from .io.reader import ExpertReader
-from .moe.predict import ExpertPredictor
-from .moe.prefetch import Prefetcher
-from .moe.prefetch_auto import PrefetchSwitch
-from .moe.streaming_switch import StreamingSwitch
+from .prefetch.predictor import ExpertPredictor
+from .prefetch.prefetcher import Prefetcher
+from .prefetch.switch import PrefetchSwitch
+from .runtime.switch import StreamingSwitch
 from .mtp.load import load_mtp
 from .plan import MemoryPlan, pool_capacity
 
@@ -195,7 +196,7 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
         wrap_layers(ckpt.model, main_sites, store.before_layer)
     defer_miss_checks(ckpt.model, main_sites, store)
     if ckpt.head is not None:
-        qwen3_next.install_state_capture(ckpt.model)
+        install_state_capture(ckpt.model)
     sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, plan, ckpt.head)
     if config.preload:
         store.fill()

@@ -9,7 +9,7 @@ staging, against the budget where one was given. ``--memory-budget auto`` is ``a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 from . import cgroup
 from .config import DEFAULT_MEMORY_ALLOWANCE, StreamingConfig, format_size

@@ -17,10 +17,11 @@ for the never-evaluated placeholders, so they are freed. At most one part's weig
 (two where one part calls another, which no supported architecture does). mlx-lm's caches
 (``make_prompt_cache``) carry the state between tokens, so a step costs one read of the whole checkpoint.
 
-The parts are found by walking mlx-lm's module tree and wrapped by giving each part's instance a subclass of
-its own class whose ``__call__`` / ``as_linear`` loads, runs and drops; the model's own ``__call__`` (masks,
-layer order, linear/full attention dispatch) runs as it is. Nothing here touches the engine's pool, slot tables,
-streaming switch or adapters: only the safetensors header reader and ``top2_margin``.
+The parts are found by walking mlx-lm's module tree; each part's ``__call__`` / ``as_linear`` loads, runs and
+drops (``runtime.patch.call_through``, the one way the project edits a built mlx-lm model); the model's own
+``__call__`` (masks, layer order, linear/full attention dispatch) runs as it is. Nothing here touches the
+engine's pool, slot tables or streaming switch: only the safetensors header reader, ``top2_margin`` and that
+per-instance call wrapper.
 
 Supported architectures (``SUPPORTED_MODEL_TYPES``): those checked against mlx-lm's in-memory greedy decoding
 (ids and logits bit for bit) with the materialized weights bounded by one part. Any other ``model_type`` is
@@ -44,6 +45,7 @@ from mlx_lm.models.cache import _BaseCache, make_prompt_cache  # _BaseCache: eve
 from ..checkpoint.safetensors import read_checkpoint_headers
 from ..errors import CheckpointError, UnsupportedModelError
 from ..generate import top2_margin
+from ..runtime.patch import call_through
 
 #: The model_types whose layerwise greedy ids and logits were checked equal (bit for bit) to mlx-lm's
 #: in-memory greedy decoding, with no weight materialized outside its part: the project's target (qwen3_next,
@@ -176,26 +178,6 @@ def _cache_arrays(value) -> List[mx.array]:
     return found
 
 
-_WRAPPED_CLASSES: Dict[type, type] = {}
-
-
-def _wrapped_class(cls: type) -> type:
-    """A subclass of ``cls`` whose weight-using methods load the instance's part first and drop it after."""
-    if cls not in _WRAPPED_CLASSES:
-        def wrap(name):
-            original = getattr(cls, name)
-
-            def method(self, *args, **kwargs):
-                return self._layerwise_part.run(original, self, args, kwargs)
-
-            method.__name__ = name
-            return method
-
-        attrs = {name: wrap(name) for name in _WRAPPED_METHODS if hasattr(cls, name)}
-        _WRAPPED_CLASSES[cls] = type(f"Layerwise{cls.__name__}", (cls,), attrs)
-    return _WRAPPED_CLASSES[cls]
-
-
 def _one_line(exc: Exception, limit: int = 300) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[:limit] + " ..."
@@ -256,8 +238,7 @@ class LayerwiseOracle:
         if missing:
             raise UnsupportedModelError(f"{path}: parameters outside any part the oracle can load: {', '.join(missing[:5])}")
         for part_name, owner in owners.items():
-            object.__setattr__(owner, "_layerwise_part", parts[part_name])
-            owner.__class__ = _wrapped_class(type(owner))
+            call_through(owner, _WRAPPED_METHODS, parts[part_name].run)
         self.parts = parts
         self.stats.part_bytes = {n: p.nbytes for n, p in parts.items()}
         self.stats.model_bytes = sum(p.nbytes for p in parts.values())

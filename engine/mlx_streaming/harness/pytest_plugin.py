@@ -11,10 +11,11 @@ nothing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+
+from .oracle import ORACLE_TOKENS, GreedyOracle, file_lock
 
 MARKERS = {
     "exact": "speculative or streaming ids against the greedy in-memory oracle, token by token",
@@ -28,8 +29,6 @@ TEST_PROMPTS = (
     "Once upon a time, in a land far away,",
 )
 OPTION_PREFIX = "--streaming-"
-#: Greedy steps the live oracle takes for each of ``TEST_PROMPTS`` (the most any exactness check compares).
-ORACLE_TOKENS = 64
 #: The exactness checks' steps where mlx-lm's in-memory model does not fit, and the fewest allowed.
 UNLOADABLE_EXACT_TOKENS = MIN_EXACT_TOKENS = 16
 
@@ -367,80 +366,6 @@ def perf_base(request, model_dir, mtp_path, streaming_config, prompt_ids, perf_y
         yield PerfBase(config, engine)
 
 
-class GreedyOracle:
-    """mlx-lm's in-memory greedy decoding of each ``TEST_PROMPTS`` prompt, ``ORACLE_TOKENS`` steps, run once
-    per prompt per session: ids, the logits each id was taken from, and their top-2 margins. Every shorter
-    greedy run is a prefix of it (same prefill, same steps), so tests ask for the first ``n``.
-
-    Under pytest-xdist the first worker to ask for a prompt computes it (under a per-prompt lock file in the
-    session's shared temp folder) and the other workers load what it wrote: the bf16 logits bit for bit."""
-
-    kind = "mlx-lm in memory, live"
-
-    def __init__(self, reference_model, prompt_ids, folder: Path):
-        self.reference_model, self.prompt_ids, self.folder = reference_model, prompt_ids, folder
-        self._runs = {}
-
-    def _run(self, prompt: int):
-        if prompt not in self._runs:
-            import mlx.core as mx
-
-            path = self.folder / f"oracle-{prompt}.safetensors"
-            with _file_lock(self.folder / f"oracle-{prompt}.lock"):
-                if not path.exists():
-                    from ..generate import greedy_steps
-
-                    ids, logits = zip(*greedy_steps(self.reference_model, self.prompt_ids[prompt], ORACLE_TOKENS))
-                    partial = path.with_suffix(".partial.safetensors")
-                    mx.save_safetensors(str(partial), {"ids": mx.array(ids, dtype=mx.int32), "logits": mx.stack(logits)})
-                    partial.replace(path)
-                saved = mx.load(str(path))
-            logits = saved["logits"]
-            self._runs[prompt] = (saved["ids"].tolist(), [logits[i] for i in range(logits.shape[0])])
-        return self._runs[prompt]
-
-    def _check(self, n: int) -> None:
-        if not 0 < n <= ORACLE_TOKENS:
-            raise ValueError(f"the oracle holds {ORACLE_TOKENS} greedy steps per prompt; {n} asked for")
-
-    def ids(self, prompt: int, n: int) -> list:
-        """The first ``n`` greedy ids of ``TEST_PROMPTS[prompt]``."""
-        self._check(n)
-        return self._run(prompt)[0][:n]
-
-    def logits(self, prompt: int, n: int) -> list:
-        """The logits each of the first ``n`` ids was taken from (one array per step)."""
-        self._check(n)
-        return self._run(prompt)[1][:n]
-
-    def margins(self, prompt: int, n: int) -> list:
-        """``top2_margin`` of each of the first ``n`` steps, as ``greedy_generate(..., margins=)`` gives them."""
-        from ..generate import top2_margin
-
-        return [top2_margin(logits) for logits in self.logits(prompt, n)]
-
-
-class _file_lock:
-    """An exclusive ``flock`` on ``path`` (a no-op where ``fcntl`` does not exist)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:
-            self.file = None
-            return self
-        self.file = open(self.path, "a")
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.file is not None:
-            self.file.close()  # closing releases the lock
-
-
 @pytest.fixture(scope="session")
 def oracle(request, model_dir, memory_plan, prompt_ids, exact_tokens, tmp_path_factory):
     """The greedy oracle of ``TEST_PROMPTS``: live on mlx-lm's in-memory model where it fits (``GreedyOracle``,
@@ -454,7 +379,7 @@ def oracle(request, model_dir, memory_plan, prompt_ids, exact_tokens, tmp_path_f
     base = tmp_path_factory.getbasetemp()
     session_folder = base.parent if hasattr(request.config, "workerinput") else base
     if request.config.getoption("--streaming-record-reference"):
-        with _file_lock(session_folder / "reference.lock"):  # one recording per session, whatever the workers
+        with file_lock(session_folder / "reference.lock"):  # one recording per session, whatever the workers
             if not (session_folder / "reference.recorded").exists():
                 _record_reference(request, path, model_dir, memory_plan, prompt_ids, exact_tokens, session_folder)
                 (session_folder / "reference.recorded").touch()
@@ -490,10 +415,9 @@ def _record_reference(request, path: Path, model_dir: Path, memory_plan, prompt_
     """The greedy oracle's ids and margins for every test prompt, ``tokens`` steps, into ``path``: mlx-lm's
     in-memory model where it fits, else mlx-lm's model computed layer by layer (one layer's weights in memory)."""
     from . import reference
-    from ..generate import top2_margin
 
     if memory_plan.fits:
-        live = GreedyOracle(request.getfixturevalue("reference_model"), prompt_ids, folder)
+        live = GreedyOracle(request.getfixturevalue("reference_model"), prompt_ids, folder, tokens)
         runs = [{"ids": live.ids(p, tokens), "margins": [list(m) for m in live.margins(p, tokens)]}
                 for p in range(len(prompt_ids))]
         kind = "mlx-lm in memory"

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ..adapters.qwen3_next import embed, logits_from_hidden
+from ..runtime.qwen3_next import embed, logits_from_hidden
 
 
 class MTPDrafter:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..adapters.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
+from ..runtime.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
 from ..config import VERIFY_MODES
 from .autok import KChooser
 

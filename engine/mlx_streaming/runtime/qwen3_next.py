@@ -3,8 +3,8 @@
 - The MTP head is one more expert site (layer id ``num_hidden_layers``, tensors under ``mtp.``).
 - Hidden states and logits: ``model.model`` gives the final hidden state (after the final norm), then
   ``lm_head`` (or the tied embedding) gives logits; the drafter embeds with ``model.model.embed_tokens``.
-- Gated-DeltaNet state cannot be trimmed after a partial accept. For the direct commit, ``install_state_capture``
-  wraps every Gated-DeltaNet mixer (``layer.linear_attn`` of layers with ``is_linear``) once, at build, in a
+- Gated-DeltaNet state cannot be trimmed after a partial accept. For the direct commit,
+  ``patch.install_state_capture`` wraps every Gated-DeltaNet mixer (``layer.linear_attn`` of layers with ``is_linear``) once, at build, in a
   ``StateCapture`` that, while capturing, steps a multi-token call position by position and keeps the
   state after each; its caches are mlx-lm's ``ArraysCache`` and the attention caches are trimmable.
 """
@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from .switch_layers import ExpertSite, expert_sites, unwrap
+from .patch import StateCapture, unwrap
+from .sites import ExpertSite, expert_sites
 
 MODEL_TYPE = "qwen3_next"
 
@@ -41,33 +42,6 @@ def logits_from_hidden(model, hidden: mx.array) -> mx.array:
 
 def embed(model, tokens: Sequence[int]) -> mx.array:
     return model.model.embed_tokens(mx.array([list(tokens)]))
-
-
-class StateCapture(nn.Module):
-    """Wraps one Gated-DeltaNet mixer; while ``capturing``, a multi-token call runs position by position and
-    keeps the cache state after each one in ``states``."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.capturing = False
-        self.states: List[list] = []
-
-    def __call__(self, x, mask=None, cache=None):
-        if not self.capturing or cache is None:
-            return self.inner(x, mask, cache)
-        outputs, self.states = [], []
-        for i in range(x.shape[1]):
-            outputs.append(self.inner(x[:, i:i + 1], None if mask is None else mask[:, i:i + 1], cache))
-            self.states.append(list(cache.cache))
-        return mx.concatenate(outputs, axis=1)
-
-
-def install_state_capture(model) -> None:
-    """Wrap every Gated-DeltaNet mixer of ``model`` in a ``StateCapture`` (composition, this instance only)."""
-    for layer in map(unwrap, model.layers):
-        if layer.is_linear and not isinstance(layer.linear_attn, StateCapture):
-            layer.linear_attn = StateCapture(layer.linear_attn)
 
 
 def state_captures(model) -> List[StateCapture]:

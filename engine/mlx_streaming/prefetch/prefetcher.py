@@ -14,7 +14,7 @@ import atexit
 import threading
 import weakref
 from collections import OrderedDict, deque
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..residency.stats import ResidencyStats
 from ..errors import ExpertIOError

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ..adapters.switch_layers import ExpertSite, predict_experts
+from ..runtime.sites import ExpertSite, predict_experts
 
 
 class PredictDiagnostics:

@@ -27,7 +27,7 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
     from mlx_lm.sample_utils import make_sampler
 
     from ..model import build_streaming_model
-    from .report import counters_line
+    from ..harness.report import counters_line
 
     mx.random.seed(seed)
     with build_streaming_model(model_dir, config) as sm:

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm import server as mlx_server
 
 from ..config import StreamingConfig
+from . import require_tested_mlx_lm
 
 #: The module (``mlx_lm.generate`` as an attribute is the package's ``generate`` function).
 mlx_generate = importlib.import_module("mlx_lm.generate")
@@ -144,6 +145,7 @@ def server_args(model_dir: Path, host: str, port: int, max_tokens: int, temp: fl
 
 
 def serve(model_dir: Path, config: StreamingConfig, host: str, port: int, temp: float, top_p: float) -> None:
+    require_tested_mlx_lm("mlx-streaming serve")
     args = server_args(model_dir, host, port, config.max_tokens, temp, top_p)
     logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")  # as mlx_lm.server's
     provider = StreamingModelProvider(args, model_dir, config)

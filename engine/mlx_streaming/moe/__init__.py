@@ -1,1 +1,0 @@
-"""The streaming MoE block."""

@@ -1,0 +1,1 @@
+"""Prefetch: the predictor (which experts a layer will route to), the prefetcher (native reader threads filling host staging) and the on/off switch of --prefetch auto."""

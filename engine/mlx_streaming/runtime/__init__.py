@@ -1,0 +1,1 @@
+"""Where the engine meets mlx-lm's model: expert sites per architecture (sites), the one module that edits a built model (patch), the streaming switch (switch) and Qwen3-Next's extras for MTP (qwen3_next)."""
