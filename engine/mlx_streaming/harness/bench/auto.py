@@ -1,0 +1,156 @@
+"""``bench --k-report``, ``--prefetch-auto-report`` and ``--prefetch-report``: the automatic choices against the fixed ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+from ...config import StreamingConfig
+from ...generate import greedy_generate
+from ...mtp.drafter import MTPDrafter
+from ...mtp.speculative import mtp_generate
+from .common import _greedy_runs, _interleaved, _say, _spread, _versus_best, timed_greedy
+from .io_report import _demand_gbps, raw_read_probe
+
+
+#: ``bench --k-report``: every fixed K (1: no drafts) and "auto".
+K_REPORT = (1, 2, 3, 4, "auto")
+
+
+def k_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """MTP speculation at every fixed K and at "auto", interleaved (``_interleaved``): median decode tok/s per
+    K, auto over the best fixed K, the K auto chose per step, and every run's ids against greedy's."""
+    from ...model import build_streaming_model
+
+    with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
+        prompt_ids = sm.tokenizer.encode(config.prompt)
+        greedy = greedy_generate(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk)
+
+        def arm(k):
+            def once(n):
+                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, config.verify_mode,
+                                          config.prefill_chunk)
+                return stats["decode_tok_s"], ids, stats["k_hist"]
+            return once
+
+        rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, config)
+        chosen = runs["auto"][-1][1]
+        return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": config.max_tokens,
+                "repeat": config.repeat, **_versus_best(rates, "auto"),
+                "auto_k_steps": {str(k): chosen.count(k) for k in sorted(set(chosen))},
+                "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
+
+
+def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """Greedy decoding with prefetch off, on and auto (three models of the config's pool, run interleaved):
+    median tok/s each, auto over the better of on and off, auto's decisions, and the ids of every arm."""
+    from contextlib import ExitStack
+
+    from ...model import build_streaming_model
+
+    with ExitStack() as stack:
+        models = {arm: stack.enter_context(build_streaming_model(model_dir, config.replace(prefetch=arm)))
+                  for arm in (False, True, "auto")}
+        prompt_ids = models[False].tokenizer.encode(config.prompt)
+
+        def arm(sm):
+            def once(n):
+                return (*timed_greedy(sm.model, prompt_ids, n, config.prefill_chunk), None)
+            return once
+
+        names = {False: "off", True: "on", "auto": "auto"}
+        rates, runs = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, config)
+        switch = models["auto"].store.prefetch_switch
+        return {"model": str(model_dir), "pool_slots": models[False].store.capacity, "io_mode": config.io_mode,
+                "max_tokens": config.max_tokens, "repeat": config.repeat, **_versus_best(rates, "auto"),
+                "auto_decisions": ["on" if d else "off" for d in switch.decisions],
+                "auto_measured_s_per_token": {("on" if a else "off"): v for a, v in switch.measured.items()},
+                "ids_identical": len({tuple(ids) for arm_runs in runs.values() for ids, _ in arm_runs}) == 1}
+
+
+def auto_table(report: dict, what: str) -> str:
+    """``k_report`` (``what`` "K") or ``prefetch_auto_report`` ("prefetch") as a table."""
+    from tabulate import tabulate
+
+    best = report["tok_s"][str(report["best_fixed"])]["median"]
+    body = [[name, v["median"], v["min"], v["max"], v["median"] / best] for name, v in report["tok_s"].items()]
+    detail = (f"auto's steps by K in the last round: {report['auto_k_steps']}; every run's ids equal greedy's: "
+              f"{report['ids_equal_greedy']}" if what == "K" else
+              f"auto's decisions: {report['auto_decisions']}, its last probes (s per token): "
+              f"{report['auto_measured_s_per_token']}; ids identical across arms: {report['ids_identical']}")
+    return (tabulate(body, headers=[what, "tok/s (median)", "min", "max", f"x best fixed {what}"], floatfmt=".3f")
+            + f"\npool {report['pool_slots']} slots, {report['max_tokens']} tokens x {report['repeat']} rounds, arms "
+              f"interleaved. auto / best fixed ({report['best_fixed']}): {report['auto_over_best']:.3f}; {detail}")
+
+
+#: The rows of ``prefetch_report``: (label, pool at its minimum, prefetch, ahead, mult).
+PREFETCH_ROWS = (("naive (pool = top_k)", True, False, 0, 1), ("LRU", False, False, 0, 1),
+                 ("LRU + prefetch ahead 0", False, True, 0, 1), ("LRU + prefetch ahead 1", False, True, 1, 1),
+                 ("LRU + prefetch ahead 0 mult 2", False, True, 0, 2),
+                 ("LRU + prefetch ahead 1 mult 2", False, True, 1, 2))
+
+
+def _prefetch_row(model_dir: Path, config: StreamingConfig, label: str) -> dict:
+    from ...model import build_streaming_model
+
+    _say(f"{label}: building")
+    with build_streaming_model(model_dir, config) as sm:
+        rates, ids, counters, s = _greedy_runs(sm, config, label)
+        row = {"label": label, "layout": "packed" if config.packed_dir else "scattered", "pool_slots": sm.store.capacity,
+               "prefetch": config.prefetch, "ahead": config.prefetch_ahead, "mult": config.prefetch_mult,
+               "tok_s": _spread(rates), "io": counters, "place_s": s["place_s"], "read_s": s["read_s"],
+               "demand_read_gbps": _demand_gbps(s), "ids": ids}
+        if sm.store.predictor is not None:
+            row["diagnostics"] = sm.store.predictor.diagnostics.stats()
+    recall = row["diagnostics"]["decode"]["recall"] if "diagnostics" in row else None
+    _say(f"{label} ({row['layout']}): {row['tok_s']['median']:.3f} tok/s, demand loads {counters['demand_loads']}, "
+         f"prefetch hits {counters.get('prefetch_hits', 0)}, decode recall {recall}")
+    return row
+
+
+def prefetch_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """Greedy decoding side by side: the pool at its minimum, the configured LRU pool, and LRU with prefetch
+    (ahead 0 and 1, mult 1 and 2, with diagnostics), plus the raw disk rate at the expert read size. With
+    ``packed_dir`` the LRU and prefetch rows run again on the packed layout."""
+    from ...model import build_streaming_model
+
+    with build_streaming_model(model_dir, config.replace(packed_dir=None)) as sm:
+        _say(f"raw read probe ({config.io_mode})")
+        raw = raw_read_probe(sm.store.index, config.io_mode)
+        top_k = sm.store.top_k
+    layouts = [None] + ([config.packed_dir] if config.packed_dir else [])
+    rows = []
+    for layout in layouts:
+        for label, minimum, prefetch, ahead, mult in PREFETCH_ROWS:
+            if layout and (minimum or mult > 1):
+                continue
+            row_config = config.replace(packed_dir=layout, prefetch=prefetch, prefetch_ahead=ahead, prefetch_mult=mult,
+                                        diagnostics=bool(prefetch))
+            if minimum:
+                row_config = row_config.with_pool(pool_slots=top_k)
+            rows.append(_prefetch_row(model_dir, row_config, label))
+    reference = rows[1]["tok_s"]["median"]
+    ids = [row.pop("ids") for row in rows]
+    for row in rows:
+        row["over_lru"] = row["tok_s"]["median"] / reference
+    return {"model": str(model_dir), "io_mode": config.io_mode, "max_tokens": config.max_tokens,
+            "repeat": config.repeat, "raw_read": raw, "ids_identical": all(i == ids[0] for i in ids), "rows": rows}
+
+
+def prefetch_table(report: dict) -> str:
+    from tabulate import tabulate
+
+    headers = ["path", "layout", "pool", "tok/s", "x LRU", "demand loads", "prefetch hits", "demand GB/s",
+               "recall (decode)", "A: not finished", "A: evicted", "B: not predicted"]
+    body = []
+    for r in report["rows"]:
+        d = (r.get("diagnostics") or {}).get("decode")
+        body.append([r["label"], r["layout"], r["pool_slots"], r["tok_s"]["median"], r["over_lru"],
+                     r["io"]["demand_loads"], r["io"].get("prefetch_hits", 0), r["demand_read_gbps"],
+                     d["recall"] if d else "", d["a_not_finished"] if d else "", d["a_evicted"] if d else "",
+                     d["b_not_predicted"] if d else ""])
+    raw = report["raw_read"]
+    return (tabulate(body, headers=headers, floatfmt=".3f") +
+            f"\nio_mode={report['io_mode']}  raw read {raw['gbps']:.3f} GB/s at {raw['bytes'] // raw['experts']} B "
+            f"per expert ({raw['experts']} experts)  max_tokens={report['max_tokens']} repeat={report['repeat']}  "
+            f"ids identical across rows: {report['ids_identical']}")

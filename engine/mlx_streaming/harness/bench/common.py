@@ -1,0 +1,147 @@
+"""What every bench mode shares: timed greedy runs, spreads, memory marks, the in-memory reference."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+
+from ...config import StreamingConfig
+from ...errors import ConfigError
+from ...generate import greedy_steps
+from ..reference import InMemoryPlan
+
+
+def _say(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int,
+                 on_decode: Optional[Callable[[], None]] = None) -> tuple:
+    """(decode tok/s, ids): the clock starts once the prompt is prefilled (its logits give the first token),
+    where ``on_decode()`` is called."""
+    start = []
+
+    def prefilled():
+        if on_decode is not None:
+            on_decode()
+        start.append(time.perf_counter())
+
+    ids = [token for token, _ in greedy_steps(model, prompt_ids, max_tokens, prefill_chunk, prefilled)]
+    return (max_tokens - 1) / (time.perf_counter() - start[0]), ids
+
+
+def _spread(rates: List[float]) -> dict:
+    return {"median": statistics.median(rates), "runs": rates, "min": min(rates), "max": max(rates)}
+
+
+def _store_counters(store) -> dict:
+    s = store.stats()
+    looked_up = s["hits"] + s["misses"]
+    return {"disk_loads": s["demand_loads"] + s.get("prefetch_loads", 0), "hits": s["hits"], "hit_rate": s["hits"] / looked_up if looked_up else 0.0,
+            "bytes_read": s["bytes_read"], "evictions": s["evictions"], "fastpath": s["fastpath"],
+            "fallback": s["fallback"], "grouped": s["grouped"],
+            **{k: v for k, v in s.items() if k.startswith(("verify_", "prefetch_")) or k == "demand_loads"}}
+
+
+def _timed_runs(label: str, once: Callable[[], tuple], store, repeat: int) -> tuple:
+    """Run ``once`` ``repeat`` times, resetting the store's counters first; (rates, last result, counters)."""
+    rates = []
+    for i in range(repeat):
+        if store is not None:
+            store.reset_stats()
+        _say(f"{label}: run {i + 1}/{repeat}")
+        rate, *result = once()
+        rates.append(rate)
+    return rates, result, _store_counters(store) if store is not None else {}
+
+
+def _memory_mark() -> int:
+    """MLX's active bytes now, its cache emptied and its peak reset: what ``_peak_growth`` counts from."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
+def _peak_growth(mark: int) -> int:
+    """MLX's peak bytes since ``_memory_mark`` above what was active then."""
+    return max(0, mx.get_peak_memory() - mark)
+
+
+def _streaming_weights(sm) -> int:
+    """Bytes of the weight arrays a streaming model holds as built: dense weights, expert pool, MTP head."""
+    from ..memory import resident_dense_bytes
+
+    head = resident_dense_bytes(sm.mtp, sm.store) if sm.mtp is not None else 0
+    return resident_dense_bytes(sm.model, sm.store) + sm.store.pool.nbytes + head
+
+
+def _refuse_unless_inmemory_fits(model_dir: Path, mode: str) -> None:
+    """One line instead of the kernel's kill, for a mode that measures against mlx-lm's in-memory model."""
+    plan = InMemoryPlan(model_dir)
+    if not plan.fits:
+        raise ConfigError(f"bench {mode} measures against mlx-lm's in-memory model, and {plan.why_not}")
+
+
+def _inmemory(model_dir: Path, config: StreamingConfig, prompt_ids) -> dict:
+    """mlx-lm's in-memory greedy decode tok/s and ids, with the bytes of its weights (every one read at load)
+    and MLX's peak above what was active before it loaded."""
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    mark = _memory_mark()
+    _say("loading mlx-lm's in-memory model")
+    model, _ = mlx_lm.load(str(model_dir))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if config.warmup_tokens:
+        timed_greedy(model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
+    rates, (ids,), _ = _timed_runs("in-memory greedy", lambda: timed_greedy(model, prompt_ids, config.max_tokens, config.prefill_chunk), None, config.repeat)
+    peak = _peak_growth(mark)
+    del model
+    mx.clear_cache()
+    return {"tok_s": _spread(rates), "ids": ids, "weights_bytes": weights, "mlx_peak_growth_bytes": peak}
+
+
+def _f(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}"
+
+
+def _greedy_runs(sm, config: StreamingConfig, label: str) -> tuple:
+    """Warm up, then ``config.repeat`` timed greedy decodes of the config's prompt on the built model ``sm``:
+    (rates, the last run's ids, the bench counters, the store's raw stats)."""
+    prompt_ids = sm.tokenizer.encode(config.prompt)
+    if config.warmup_tokens:
+        timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
+    rates, (ids,), counters = _timed_runs(
+        label, lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
+    return rates, ids, counters, sm.store.stats()
+
+
+def _interleaved(label: str, arms: dict, config: StreamingConfig) -> tuple:
+    """Warm every arm up (``arms``: name -> ``once(n)``, which decodes ``n`` tokens and returns (tok/s, ids,
+    extra)), then ``config.repeat`` rounds running each arm once, interleaved, so a drifting machine moves them
+    alike: (tok/s per arm per round, each arm's (ids, extra) per round)."""
+    for once in arms.values():
+        once(max(2, config.warmup_tokens))
+    rates, runs = {name: [] for name in arms}, {name: [] for name in arms}
+    for i in range(config.repeat):
+        _say(f"{label}: round {i + 1}/{config.repeat}")
+        for name, once in arms.items():
+            rate, ids, extra = once(config.max_tokens)
+            rates[name].append(rate)
+            runs[name].append((ids, extra))
+    return rates, runs
+
+
+def _versus_best(rates: dict, auto) -> dict:
+    """Medians per arm, the best arm that is not ``auto``, and auto over it."""
+    medians = {name: statistics.median(v) for name, v in rates.items()}
+    best = max((name for name in rates if name != auto), key=medians.get)
+    return {"tok_s": {str(name): _spread(v) for name, v in rates.items()}, "best_fixed": best,
+            "auto_over_best": medians[auto] / medians[best]}

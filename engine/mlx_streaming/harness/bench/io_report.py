@@ -1,0 +1,87 @@
+"""``bench --io``: the disk's ceiling against the engine's demand-read rate."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+from ...config import StreamingConfig
+from ...io.reader import READ_THREADS, ExpertReader
+from .common import _greedy_runs, _say, _spread
+
+
+def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0, batch: int = 1,
+                   threads: int = READ_THREADS) -> dict:
+    """Read ``experts`` random experts with a fresh reader, ``batch`` experts per read call (the engine reads
+    one expert per call when it misses one, a layer's misses together), on ``threads`` native threads: the
+    disk's rate at that request size and depth, in this io mode, without the engine around it."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    picks = [(int(rng.choice(index.layers)), int(rng.integers(index.num_experts))) for _ in range(experts)]
+    reader = ExpertReader(io_mode, threads)
+    try:
+        start = time.perf_counter()
+        for i in range(0, experts, batch):
+            reader.read([(s.path, s.offset, s.nbytes) for layer, expert in picks[i:i + batch]
+                         for s in index.slices(layer, expert)])
+        seconds = time.perf_counter() - start
+    finally:
+        reader.close()
+    return {"experts": experts, "batch": batch, "threads": threads, "bytes": experts * index.expert_bytes,
+            "seconds": seconds, "gbps": experts * index.expert_bytes / seconds / 1e9,
+            "reads_per_expert": reader.reads / experts}
+
+
+#: ``bench --io``'s grid for the disk's ceiling: experts per read call x native read threads.
+CEILING_BATCHES = (1, 4, 16)
+
+
+CEILING_THREADS = (1, 2, 4, 8)
+
+
+def io_ceiling(index, io_mode: str, top_k: int) -> dict:
+    """The disk's best rate over request sizes (one expert, one layer's ``top_k``, and 16 experts per call)
+    and native thread counts, each cell a fresh ``raw_read_probe`` of 256 random experts."""
+    batches = sorted({1, top_k, *CEILING_BATCHES})
+    cells = [raw_read_probe(index, io_mode, batch=b, threads=t, seed=i)
+             for i, (b, t) in enumerate((b, t) for b in batches for t in CEILING_THREADS)]
+    return {"cells": cells, "best": max(cells, key=lambda c: c["gbps"])}
+
+
+def _demand_gbps(stats: dict) -> float:
+    """The engine's demand-load rate: bytes read on the main thread over the seconds spent reading them."""
+    return stats["demand_bytes"] / stats["read_s"] / 1e9 if stats["read_s"] else 0.0
+
+
+def io_report(model_dir: Path, config: StreamingConfig) -> dict:
+    """The disk's ceiling (``io_ceiling``), then greedy decoding at the configured pool and io mode: the
+    engine's demand-load rate (bytes read / seconds in demand reads) against the ceiling."""
+    from ...model import build_streaming_model
+
+    with build_streaming_model(model_dir, config) as sm:
+        _say(f"disk ceiling: request sizes x read threads ({config.io_mode})")
+        ceiling = io_ceiling(sm.store.index, config.io_mode, sm.store.top_k)
+        rates, ids, counters, s = _greedy_runs(sm, config, "greedy")
+        demand = _demand_gbps(s)
+        return {"model": str(model_dir), "io_mode": config.io_mode, "layout": "packed" if config.packed_dir else "scattered",
+                "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
+                "expert_bytes": sm.store.index.expert_bytes, "max_tokens": config.max_tokens, "repeat": config.repeat,
+                "ceiling": ceiling, "demand_read_gbps": demand, "demand_over_ceiling": demand / ceiling["best"]["gbps"],
+                "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
+                "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}
+
+
+def io_table(report: dict) -> str:
+    from tabulate import tabulate
+
+    cells, best = report["ceiling"]["cells"], report["ceiling"]["best"]
+    body = [[c["batch"], c["threads"], c["gbps"], c["reads_per_expert"]] for c in cells]
+    return (tabulate(body, headers=["experts per call", "read threads", "GB/s", "reads per expert"], floatfmt=".3f")
+            + f"\nio_mode={report['io_mode']} ({report['layout']} layout), {report['expert_bytes']} B per expert, 256 "
+              f"random experts per cell. Ceiling {best['gbps']:.3f} GB/s ({best['batch']} per call, {best['threads']} "
+              f"threads). The engine's demand loads (greedy, pool {report['pool_slots']} of {report['num_experts']}, "
+              f"{report['max_tokens']} tokens x {report['repeat']}): {report['demand_read_gbps']:.3f} GB/s = "
+              f"{report['demand_over_ceiling']:.2f} of the ceiling, {1000 * report['read_s_per_token']:.2f} ms reading "
+              f"per token")
