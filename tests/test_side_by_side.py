@@ -100,7 +100,7 @@ with BaseEngine(Path({str(pytestconfig.rootpath)!r}), "HEAD", Path({str(model_di
         ours = [p for p in tmp.iterdir() if p.name.startswith("mlx-streaming-base-")]
         assert len(ours) == 1, list(tmp.iterdir())
         child.send_signal(signal.SIGINT)
-        child.wait(timeout=60)
+        child.communicate(timeout=120)  # drains its pipes while it stops: a full one cannot hold it up
     finally:
         child.kill()
     assert not ours[0].exists(), list(tmp.iterdir())
