@@ -28,10 +28,11 @@ def allowance_within(config: StreamingConfig, budget: Optional[int]) -> int:
     return DEFAULT_MEMORY_ALLOWANCE if budget is None else min(DEFAULT_MEMORY_ALLOWANCE, budget // 4)
 
 
-def auto_memory_budget() -> int:
-    """``AUTO_BUDGET_SHARE`` of the memory this process may take now: the machine's available memory, or what
-    its memory cgroup's limit leaves, whichever is less (``cgroup.available_bytes``)."""
-    return int(cgroup.available_bytes() * AUTO_BUDGET_SHARE)
+def auto_memory_budget(available: Optional[int] = None) -> int:
+    """``AUTO_BUDGET_SHARE`` of the memory this process may take now (``available``, where the caller read it
+    already): the machine's available memory, or what its memory cgroup's limit leaves, whichever is less
+    (``cgroup.available_bytes``)."""
+    return int((cgroup.available_bytes() if available is None else available) * AUTO_BUDGET_SHARE)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def pool_capacity(config: StreamingConfig, num_experts: int, top_k: int, expert_
         if every <= available:
             slots, asked = num_experts, "no pool size given"
         else:
-            budget = auto_memory_budget()
+            budget = auto_memory_budget(available)
             asked = (f"no pool size given, and the whole model ({format_size(every)}) does not fit in the "
                      f"{format_size(available)} this process may take: memory_budget=auto, {format_size(budget)}")
             slots = within(asked)

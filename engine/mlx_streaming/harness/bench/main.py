@@ -23,10 +23,11 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
     from ...model import build_streaming_model
     from ..memory import memory_snapshot
 
-    inmemory_plan = InMemoryPlan(model_dir)
-    if compare_inmemory and not inmemory_plan.fits:
-        _say(f"no in-memory comparison: {inmemory_plan.why_not}")
-        compare_inmemory = False
+    if compare_inmemory:
+        inmemory_plan = InMemoryPlan(model_dir)
+        if not inmemory_plan.fits:
+            _say(f"no in-memory comparison: {inmemory_plan.why_not}")
+            compare_inmemory = False
     mark = _memory_mark()
     _say(f"building the streaming model from {model_dir}")
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
