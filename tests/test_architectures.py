@@ -16,7 +16,7 @@ from mlx_streaming.runtime.sites import experts_per_token
 from mlx_streaming.harness.arch_synth import TINY_ARCHS, synth_arch
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import UnsupportedModelError
-from mlx_streaming.generate import greedy_generate, greedy_steps
+from mlx_streaming.decode.greedy import greedy_generate, greedy_steps
 from mlx_streaming.model import build_streaming_model
 
 pytestmark = pytest.mark.exact

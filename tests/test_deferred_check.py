@@ -4,7 +4,7 @@ the same counters as checking at every MoE layer, and a correct rerun when an ex
 import pytest
 
 from mlx_streaming.config import StreamingConfig
-from mlx_streaming.generate import greedy_generate, greedy_steps
+from mlx_streaming.decode.greedy import greedy_generate, greedy_steps
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_streaming.config import StreamingConfig
-from mlx_streaming.generate import greedy_generate, greedy_steps
+from mlx_streaming.decode.greedy import greedy_generate, greedy_steps
 from mlx_streaming.model import build_streaming_model
 
 pytestmark = pytest.mark.exact

@@ -26,7 +26,7 @@ STREAM = """
 import json, sys
 from pathlib import Path
 from mlx_streaming.config import StreamingConfig
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.harness.reference import RecordedOracle
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.plan import auto_memory_budget
@@ -55,7 +55,7 @@ def bigger_than_the_limit(tmp_path_factory):
     not the limit)."""
     import mlx_lm
 
-    from mlx_streaming.generate import greedy_steps, top2_margin
+    from mlx_streaming.decode.greedy import greedy_steps, top2_margin
     from mlx_streaming.harness.synth import preset_config
     from mlx_streaming.harness.synth_stream import write_checkpoint
 

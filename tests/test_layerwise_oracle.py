@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_streaming.errors import CheckpointError, UnsupportedModelError
-from mlx_streaming.generate import greedy_steps, top2_margin
+from mlx_streaming.decode.greedy import greedy_steps, top2_margin
 from mlx_streaming.harness.layerwise_oracle import SUPPORTED_MODEL_TYPES, LayerwiseOracle, greedy
 
 TOKENS = 12

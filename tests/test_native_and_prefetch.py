@@ -13,7 +13,7 @@ import pytest
 
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import ConfigError, ExpertIOError
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.io import native
 from mlx_streaming.io.reader import ExpertReader
 from mlx_streaming.model import build_streaming_model
@@ -195,7 +195,7 @@ def test_a_failed_prefetch_read_is_dropped_and_the_demand_read_serves(model_dir,
 
 def test_prefetch_threads_end_at_interpreter_exit_without_close(model_dir):
     code = ("from mlx_streaming.model import build_streaming_model; from mlx_streaming.config import StreamingConfig;"
-            "from mlx_streaming.generate import greedy_generate;"
+            "from mlx_streaming.decode.greedy import greedy_generate;"
             f"sm = build_streaming_model({str(model_dir)!r}, StreamingConfig(pool_slots=4, prefetch=True));"
             "greedy_generate(sm.model, sm.tokenizer.encode('def f(x):'), 4); print('done')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

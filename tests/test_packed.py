@@ -7,7 +7,7 @@ import pytest
 
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import CheckpointError
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.model import build_streaming_model
 
 

@@ -45,7 +45,7 @@ def test_prefetch_that_pays_stays_on_and_prefill_chunks_are_not_timed():
 
 def test_auto_prefetch_decodes_greedy_ids(model_dir, reference_model):
     from mlx_streaming.config import StreamingConfig
-    from mlx_streaming.generate import greedy_generate
+    from mlx_streaming.decode.greedy import greedy_generate
     from mlx_streaming.model import build_streaming_model
 
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=6, prefetch="auto")) as sm:

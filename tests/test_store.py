@@ -8,7 +8,7 @@ import pytest
 
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import PoolTooSmallError
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.io.reader import ExpertReader
 from mlx_streaming.model import build_streaming_model
 

@@ -8,7 +8,7 @@ import numpy as np
 from mlx_streaming.checkpoint.safetensors import read_checkpoint_headers
 from mlx_streaming.harness.synth import synth_checkpoint
 from mlx_streaming.config import StreamingConfig
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.harness.pytest_plugin import TEST_PROMPTS
 

@@ -9,7 +9,7 @@ import pytest
 from mlx_streaming.residency.trace import curve, read_trace, replay, write_trace
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import ConfigError, OutputError
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.model import build_streaming_model
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"

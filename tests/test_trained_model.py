@@ -8,7 +8,7 @@ from mlx_lm import load
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.defaults import default_model
 from mlx_streaming.harness.evaluate import heldout_loss, heldout_sequences, mtp_acceptance, pytorch_losses, training_report
-from mlx_streaming.generate import greedy_generate
+from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.model import build_streaming_model
 
 MODEL = default_model()

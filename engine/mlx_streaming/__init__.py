@@ -11,7 +11,8 @@ _EXPORTS = {
     "StreamingError": "mlx_streaming.errors",
     "build_streaming_model": "mlx_streaming.model",
     "StreamingModel": "mlx_streaming.model",
-    "greedy_generate": "mlx_streaming.generate",
+    "greedy_generate": "mlx_streaming.decode.greedy",
+    "generate_step": "mlx_streaming.decode.step",
 }
 
 

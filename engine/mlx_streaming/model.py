@@ -209,7 +209,7 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
 def pin_hot_experts(sm: StreamingModel, n: int, calibration_tokens: int) -> None:
     """Greedy-decode ``calibration_tokens`` of the config's prompt with recording on, pin each layer's
     ``n`` hottest experts, and reset the counters so the calibration does not count."""
-    from .generate import greedy_generate
+    from .decode.greedy import greedy_generate
 
     store = sm.store
     recording = store.record

@@ -67,7 +67,7 @@ def cmd_synth(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from ..generate import greedy_steps
+    from ..decode.greedy import greedy_steps
     from ..model import build_streaming_model
     from ..harness.report import counters_line, diagnostics_report
 

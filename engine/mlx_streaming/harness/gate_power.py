@@ -27,7 +27,7 @@ import numpy as np
 
 from . import perf_gate, perf_rounds
 from ..config import StreamingConfig
-from ..generate import greedy_generate, greedy_steps
+from ..decode.greedy import greedy_generate, greedy_steps
 
 FRACTIONS = (0.05, 0.10, 0.20)
 SCENARIOS = ("full pool", "25% pool, O_DIRECT")

@@ -44,7 +44,7 @@ from mlx_lm.models.cache import _BaseCache, make_prompt_cache  # _BaseCache: eve
 
 from ..checkpoint.safetensors import read_checkpoint_headers
 from ..errors import CheckpointError, UnsupportedModelError
-from ..generate import top2_margin
+from ..decode.greedy import top2_margin
 from ..runtime.patch import call_through
 
 #: The model_types whose layerwise greedy ids and logits were checked equal (bit for bit) to mlx-lm's

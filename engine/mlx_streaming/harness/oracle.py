@@ -34,7 +34,7 @@ class GreedyOracle:
             path = self.folder / f"oracle-{prompt}-{self.steps}.safetensors"
             with file_lock(self.folder / f"oracle-{prompt}.lock"):
                 if not path.exists():
-                    from ..generate import greedy_steps
+                    from ..decode.greedy import greedy_steps
 
                     ids, logits = zip(*greedy_steps(self.reference_model, self.prompt_ids[prompt], self.steps))
                     partial = path.with_suffix(".partial.safetensors")
@@ -61,7 +61,7 @@ class GreedyOracle:
 
     def margins(self, prompt: int, n: int) -> list:
         """``top2_margin`` of each of the first ``n`` steps, as ``greedy_generate(..., margins=)`` gives them."""
-        from ..generate import top2_margin
+        from ..decode.greedy import top2_margin
 
         return [top2_margin(logits) for logits in self.logits(prompt, n)]
 

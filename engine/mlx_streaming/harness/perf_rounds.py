@@ -152,7 +152,7 @@ def quarter_pool(model_dir, config):
 
 def greedy_round(model, prompt, tokens: int) -> Callable[[str], tuple]:
     """A greedy round on ``model``: ``decode(unit)`` -> (token costs, wall seconds per token, None)."""
-    from mlx_streaming.generate import greedy_steps
+    from mlx_streaming.decode.greedy import greedy_steps
 
     def decode(unit):
         return (*token_costs(greedy_steps(model, prompt, tokens), unit), None)

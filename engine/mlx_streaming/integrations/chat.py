@@ -1,9 +1,10 @@
 """``mlx-streaming chat``: an interactive chat on a streaming model, through mlx-lm's own generation.
 
 Each answer streams through ``mlx_lm.stream_generate`` with mlx-lm's sampler, and the prompt cache carries the
-conversation from turn to turn, as ``mlx_lm.chat`` does. A model with a chat template gets each line as a user
-turn; one without (the embedded default model is a code model) gets the line as text to continue. After each
-answer one line says its tok/s, the pool's hit rate and the megabytes read from disk for it. Ctrl-C ends the
+conversation from turn to turn, as ``mlx_lm.chat`` does; the tokens come from the engine's ``generate_step``
+(``loop``: mlx-lm's semantics, one step ahead through the miss check). A model with a chat template gets each
+line as a user turn; one without (the embedded default model is a code model) gets the line as text to continue.
+After each answer one line says its tok/s, the pool's hit rate and the megabytes read from disk for it. Ctrl-C ends the
 answer, not the session; Ctrl-D (or Ctrl-C at the prompt) ends the session.
 """
 
@@ -28,9 +29,12 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
 
     from ..model import build_streaming_model
     from ..harness.report import counters_line
+    from . import loop
 
     mx.random.seed(seed)
+    loop.install()
     with build_streaming_model(model_dir, config) as sm:
+        engine = loop.EngineLoop(sm, config.k, config.verify_mode, speculate=False)  # the cache ends at the answer
         tokenizer, store = sm.tokenizer, sm.store
         if not getattr(tokenizer, "chat_template", None):
             print("this model has no chat template: each line is text for it to continue", file=sys.stderr)
@@ -47,7 +51,7 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
             last = None
             try:
                 for last in stream_generate(sm.model, tokenizer, _turn_tokens(tokenizer, text), max_tokens=config.max_tokens,
-                                            sampler=sampler, prompt_cache=cache):
+                                            sampler=sampler, prompt_cache=cache, draft_model=engine):
                     write(last.text)
                     sys.stdout.flush()
             except KeyboardInterrupt:

@@ -5,67 +5,25 @@ runs unchanged; only its model provider is ours: ``StreamingModelProvider`` buil
 engine's options instead of loading every weight. Requests run one at a time (no batching: every request goes
 through the one expert pool, token for token as mlx-lm's own path).
 
-Speculation: when the model has an MTP head, greedy requests (temperature 0, no logits processors) run our
-self-speculative decoding (``mtp_stream``, K as configured, "auto" by default), whose tokens are greedy's; sampled
-requests sample with mlx-lm's sampler and no speculation (exact speculative sampling is not built). The head
-takes the server's draft-model slot: mlx-lm's ``stream_generate`` hands a draft model to
-``speculative_generate_step``, and ``install_speculation`` puts ``speculative_step`` there, which serves
-``MTPDraft`` and passes any other draft model on to mlx-lm's own function. mlx-lm's prompt cache is off then
-(size 0): a speculative step commits up to K tokens at once, so the caches can run past the tokens the server
-keeps as the cache's key.
+Every request runs the engine's loops (``loop``: the model provider puts an ``EngineLoop`` in the server's
+draft-model slot): a greedy request (temperature 0, no logits processors) on a model with an MTP head runs the
+engine's self-speculative decoding (K as configured, "auto" by default), whose tokens are greedy's; any other
+request the engine's ``generate_step``, mlx-lm's sampling one step ahead through the miss check (exact
+speculative sampling is not built). With an MTP head mlx-lm's prompt cache is off (size 0): a speculative step
+commits up to K tokens at once, so the caches can run past the tokens the server keeps as the cache's key.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 from pathlib import Path
 
-import mlx.core as mx
 from mlx_lm import server as mlx_server
 
 from ..config import StreamingConfig
-from . import require_tested_mlx_lm
-
-#: The module (``mlx_lm.generate`` as an attribute is the package's ``generate`` function).
-mlx_generate = importlib.import_module("mlx_lm.generate")
-
-
-class MTPDraft:
-    """The MTP head in mlx-lm's draft-model slot: what ``speculative_step`` needs to run a greedy request."""
-
-    def __init__(self, streaming, config: StreamingConfig):
-        self.streaming, self.k, self.verify_mode = streaming, config.k, config.verify_mode
-
-    def make_cache(self) -> list:
-        """mlx-lm's server appends the draft model's caches to the request's; the head keeps its own."""
-        return []
-
-
-def speculative_step(prompt, model, draft_model, stream=mlx_generate.generation_stream, **kwargs):
-    """``speculative_generate_step`` for ``stream_generate``: ``(token, logprobs, from_draft)``."""
-    if not isinstance(draft_model, MTPDraft):
-        return _MLX_SPECULATIVE_STEP(prompt, model, draft_model, stream, **kwargs)
-    kwargs.pop("num_draft_tokens", None)
-    greedy = getattr(kwargs.get("sampler"), "greedy", False) and not kwargs.get("logits_processors")
-    if not greedy:
-        return ((token, logprobs, False) for token, logprobs in mlx_generate.generate_step(prompt, model, stream, **kwargs))
-    return _mtp_tokens(prompt.tolist(), draft_model, stream, kwargs["max_tokens"])
-
-
-def _mtp_tokens(prompt, draft: MTPDraft, stream, max_tokens: int):
-    from ..mtp.drafter import MTPDrafter
-    from ..mtp.speculative import SpecStats, mtp_stream
-
-    sm, stats = draft.streaming, SpecStats(draft.verify_mode, draft.k)
-    try:
-        with mx.stream(stream):
-            for token, logits, from_draft in mtp_stream(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, max_tokens, stats):
-                yield token, logits - mx.logsumexp(logits, keepdims=True), from_draft
-    finally:  # also when the server stops early (a stop string, a client gone)
-        logging.info("speculative: %d steps, %d accepted drafts (K %s)", stats.steps, stats.accepted, draft.k)
+from . import loop, require_tested_mlx_lm
 
 
 def _tag_greedy(make_sampler):
@@ -77,15 +35,13 @@ def _tag_greedy(make_sampler):
     return make
 
 
-_MLX_SPECULATIVE_STEP = mlx_generate.speculative_generate_step
-
-
-def install_speculation() -> None:
-    """mlx-lm's server has no hook for another generator: its module-level ``_make_sampler`` and
-    ``mlx_lm.generate.speculative_generate_step`` (looked up at every call) are replaced, in this process."""
-    if mlx_generate.speculative_generate_step is not speculative_step:
-        mlx_generate.speculative_generate_step = speculative_step
+def install_engine_loop() -> None:
+    """Every request through the engine's loops (``loop.install``), greedy ones recognised by their sampler:
+    mlx-lm's server has no hook for that, so its module-level ``_make_sampler`` is replaced, in this process."""
+    loop.install()
+    if not hasattr(mlx_server._make_sampler, "tags_greedy"):
         mlx_server._make_sampler = _tag_greedy(mlx_server._make_sampler)
+        mlx_server._make_sampler.tags_greedy = True
 
 
 class StreamingModelProvider(mlx_server.ModelProvider):
@@ -109,7 +65,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer = self.streaming.model, self.streaming.tokenizer
         self.processor, self.is_batchable = None, False
-        self.draft_model = MTPDraft(self.streaming, self.config) if self.streaming.mtp is not None else None
+        self.draft_model = loop.EngineLoop(self.streaming, self.config.k, self.config.verify_mode, speculate=True)
 
     def served_id(self) -> str:
         """The model's id in ``/v1/models``: its folder's absolute path."""
@@ -150,8 +106,8 @@ def serve(model_dir: Path, config: StreamingConfig, host: str, port: int, temp: 
     logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")  # as mlx_lm.server's
     provider = StreamingModelProvider(args, model_dir, config)
     provider.load_default()  # build now: a bad option fails here, in one line, not at the first request
-    if provider.draft_model is not None:
-        install_speculation()
+    install_engine_loop()
+    if provider.draft_model.speculate:  # a speculative step commits up to K tokens: caches may run past the key
         args.prompt_cache_size = 0
     # mlx_server.run takes a handler_class but does not pass it on (mlx-lm 0.32.2), so its three lines are
     # repeated here with ours; _run_http_server is private to mlx-lm's server.

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..runtime.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
 from ..config import VERIFY_MODES
+from ..decode.greedy import prefill_chunked
 from .autok import KChooser
 
 #: Steps without drafts keep at most this many of their (token, hidden) pairs for the head: when it drafts
@@ -107,10 +108,13 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
     cache = make_prompt_cache(model)
 
     hiddens = []
-    for start in range(0, len(prompt_ids), prefill_chunk):
-        logits, hidden = forward_with_hidden(model, mx.array([list(prompt_ids[start:start + prefill_chunk])]), cache)
-        mx.eval(logits, hidden)
+
+    def prefill(ids: mx.array) -> Tuple[mx.array, mx.array]:
+        logits, hidden = forward_with_hidden(model, ids, cache)
         hiddens.append(hidden)
+        return logits, hidden
+
+    logits, _ = prefill_chunked(prefill, prompt_ids, prefill_chunk)
     x = int(mx.argmax(logits[0, -1]))
     produced = 1
     if on_decode is not None:
@@ -130,12 +134,7 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
         clock.lap("draft")
         snapshot = [list(c.cache) for c in recurrent_caches(cache)] if verify_mode == "replay" else None
         clock.lap("snapshot")
-        for c in captures:
-            c.capturing = True
-        logits, hidden = forward_with_hidden(model, mx.array([[x] + drafts]), cache)
-        for c in captures:
-            c.capturing = False
-        mx.eval(logits, hidden)
+        logits, hidden = _verify(model, mx.array([[x] + drafts]), cache, captures)
         clock.lap("verify")
         targets = mx.argmax(logits[0], axis=-1).tolist()
         clock.lap("sync")
@@ -181,3 +180,27 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
 
     stats.tokens = min(produced, max_tokens)
     clock.lap("finalize")
+
+
+def _verify(model, ids: mx.array, cache, captures) -> Tuple[mx.array, mx.array]:
+    """The verify forward's logits and hidden states, evaluated, the Gated-DeltaNet states kept per position. On
+    a streaming model its miss check is queued with it and confirmed while the output layer still runs (the loop
+    waits once, not once inside the model call and again for the logits); on a miss the caches are back to
+    before it (``MissGuard.confirm``) and it runs again, its experts loaded."""
+    guard = getattr(getattr(model, "streaming_store", None), "guard", None)
+    for c in captures:
+        c.capturing = True
+    try:
+        if guard is None:
+            logits, hidden = forward_with_hidden(model, ids, cache)
+        else:
+            with guard.queueing() as checks:
+                logits, hidden = forward_with_hidden(model, ids, cache)
+            mx.async_eval(logits, hidden, *(check.flat for check in checks))
+            if checks and not guard.confirm(checks[0]):
+                logits, hidden = forward_with_hidden(model, ids, cache)
+        mx.eval(logits, hidden)
+        return logits, hidden
+    finally:
+        for c in captures:
+            c.capturing = False

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 from ...config import StreamingConfig
-from ...generate import greedy_generate
+from ...decode.greedy import greedy_generate
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
 from .common import _greedy_runs, _interleaved, _say, _spread, _versus_best, timed_greedy

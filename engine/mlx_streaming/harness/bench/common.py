@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ...config import StreamingConfig
 from ...errors import ConfigError
-from ...generate import greedy_steps
+from ...decode.greedy import greedy_steps
 from ..reference import InMemoryPlan
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 from ...config import StreamingConfig
-from ...generate import greedy_generate
+from ...decode.greedy import greedy_generate
 from ...mtp.drafter import MTPDrafter
 from ...mtp.profile import union_profile
 from ...mtp.speculative import mtp_generate
