@@ -26,7 +26,7 @@ def _run(model_dir, prompt, miss_check, warm=0, **config):
 def test_same_ids_and_counters_as_the_per_layer_check(model_dir, reference_model, prompt_ids, pool):
     prompt = prompt_ids[1]
     layer_ids, layer_stats = _run(model_dir, prompt, "layer", pool_slots=pool)
-    token_ids, token_stats = _run(model_dir, prompt, "token", pool_slots=pool)
+    token_ids, token_stats = _run(model_dir, prompt, "forward", pool_slots=pool)
     assert token_ids == layer_ids == greedy_generate(reference_model, prompt, TOKENS)
     assert {k: token_stats[k] for k in COUNTED} == {k: layer_stats[k] for k in COUNTED}
     assert token_stats["deferred_forwards"] > 0 and layer_stats["deferred_forwards"] == 0
@@ -40,7 +40,7 @@ def test_same_ids_and_counters_as_the_per_layer_check(model_dir, reference_model
 def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
     prompt = prompt_ids[0]
     _, layer_stats = _run(model_dir, prompt, "layer", warm=64)
-    _, token_stats = _run(model_dir, prompt, "token", warm=64)
+    _, token_stats = _run(model_dir, prompt, "forward", warm=64)
     forwards = TOKENS  # the prompt's prefill (one chunk) and TOKENS - 1 decode steps
     assert token_stats["misses"] == 0 and token_stats["deferred_retries"] == token_stats["dropped_forwards"] == 0
     assert token_stats["host_syncs"] == token_stats["deferred_forwards"] == forwards
@@ -49,7 +49,7 @@ def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
 
 def test_a_loop_stopped_early_drops_the_step_it_queued(model_dir, reference_model, prompt_ids):
     prompt = prompt_ids[0]
-    with build_streaming_model(model_dir, StreamingConfig(miss_check="token")) as sm:
+    with build_streaming_model(model_dir, StreamingConfig(miss_check="forward")) as sm:
         greedy_generate(sm.model, prompt, 8)  # warm: the steps below find their experts resident
         sm.store.reset_stats()
         steps = greedy_steps(sm.model, prompt, 8)
@@ -60,11 +60,11 @@ def test_a_loop_stopped_early_drops_the_step_it_queued(model_dir, reference_mode
     assert first == greedy_generate(reference_model, prompt, 3)
 
 
-@pytest.mark.parametrize("verify_mode", ["direct", "replay"])
-def test_speculation_with_the_deferred_check_equals_greedy(model_dir, reference_model, prompt_ids, verify_mode):
+@pytest.mark.parametrize("commit_mode", ["direct", "replay"])
+def test_speculation_with_the_deferred_check_equals_greedy(model_dir, reference_model, prompt_ids, commit_mode):
     prompt = prompt_ids[1]
-    with build_streaming_model(model_dir, StreamingConfig(mtp=True, pool_slots=12, miss_check="token")) as sm:
-        ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, TOKENS, 3, verify_mode)
+    with build_streaming_model(model_dir, StreamingConfig(mtp=True, pool_slots=12, miss_check="forward")) as sm:
+        ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, TOKENS, 3, commit_mode)
         assert sm.store.stats()["deferred_forwards"] > 0
     assert ids == greedy_generate(reference_model, prompt, TOKENS) and stats["steps"] > 0
 
@@ -74,7 +74,7 @@ def test_a_preloaded_pool_is_counted_in_bulk_as_the_per_layer_path_counts(model_
     forwards are counted together, in one wait for the device per ``COUNT_EVERY`` forwards or at ``stats``."""
     prompt = prompt_ids[0]
     layer_ids, layer_stats = _run(model_dir, prompt, "layer", preload=True)
-    token_ids, token_stats = _run(model_dir, prompt, "token", preload=True)
+    token_ids, token_stats = _run(model_dir, prompt, "forward", preload=True)
     assert token_ids == layer_ids == greedy_generate(reference_model, prompt, TOKENS)
     assert {k: token_stats[k] for k in COUNTED} == {k: layer_stats[k] for k in COUNTED}
     assert token_stats["misses"] == token_stats["bytes_read"] == 0 and token_stats["hits"] > 0

@@ -37,18 +37,18 @@ def spec_setup(request, mtp_path, pool_config, mtp_model):
 CASES = [(K, mode) for K in (2, 3, 4) for mode in ("direct", "replay")] + [("auto", "direct")]
 
 
-@pytest.mark.parametrize("K,verify_mode", CASES)
+@pytest.mark.parametrize("K,commit_mode", CASES)
 @pytest.mark.parametrize("prompt", range(len(TEST_PROMPTS)))
-def test_speculative_ids_equal_greedy_ids(spec_setup, oracle, prompt_ids, exact_tokens, prompt, K, verify_mode,
+def test_speculative_ids_equal_greedy_ids(spec_setup, oracle, prompt_ids, exact_tokens, prompt, K, commit_mode,
                                           record_property):
     sm, pool = spec_setup
     n = min(MAX_TOKENS, exact_tokens)
     greedy_ids, margins = oracle.ids(prompt, n), oracle.margins(prompt, n)
-    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids[prompt], n, K, verify_mode)
+    ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids[prompt], n, K, commit_mode)
     divergence = first_divergence(ids, greedy_ids, margins)
     record_property(EXACTNESS_KEY, {
-        "prompt": prompt, "K": K, "verify_mode": verify_mode, "pool": f"{pool:.0%}",
+        "prompt": prompt, "K": K, "commit_mode": commit_mode, "pool": f"{pool:.0%}",
         "divergence": None if divergence is None else {**dataclasses.asdict(divergence), "near_tie": divergence.near_tie},
     })
-    assert stats["tokens"] == n and stats["verify_mode"] == verify_mode
+    assert stats["tokens"] == n and stats["commit_mode"] == commit_mode
     assert divergence is None or divergence.near_tie, f"speculative ids diverge from greedy: {divergence}"

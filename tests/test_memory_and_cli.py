@@ -82,7 +82,7 @@ def test_bench_overhead_splits_each_token_and_counts_one_sync_per_warm_deferred_
     report = bench.overhead_report(model_dir, StreamingConfig(max_tokens=6, warmup_tokens=24, repeat=1))
     rows = {(r["path"], r["miss_check"]): r for r in report["rows"]}
     assert all(r["ids_match"] for r in report["rows"])
-    layer, token = rows["streaming greedy", "layer"], rows["streaming greedy", "token"]
+    layer, token = rows["streaming greedy", "layer"], rows["streaming greedy", "forward"]
     assert layer["host_syncs_per_token"] == 8  # one per MoE layer call, decode only (the prefill is not counted)
     assert token["host_syncs_per_token"] == 1 and token["deferred_retries"] == 0  # the warm full pool
     parts = ("sync", "route", "read", "place", "other")

@@ -44,16 +44,16 @@ def expected(plan, K, max_tokens):
             "full_accepts": len(used) - len(partial), "partial": len(partial), "replayed": sum(a + 1 for a in partial)}
 
 
-@pytest.mark.parametrize("verify_mode", ["direct", "replay"])
+@pytest.mark.parametrize("commit_mode", ["direct", "replay"])
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_every_accept_length_commits_exactly(mtp_model, oracle, prompt_ids, exact_tokens, K, verify_mode):
+def test_every_accept_length_commits_exactly(mtp_model, oracle, prompt_ids, exact_tokens, K, commit_mode):
     sm = mtp_model
     ids = prompt_ids[1]
     n = min(MAX_TOKENS, exact_tokens - K)  # the drafter reads up to K ids past the last
     greedy = oracle.ids(1, n + K)
     plan = list(itertools.islice(itertools.cycle(range(K)), 64))  # accept 0, 1, .., K-1, 0, 1, ..
     drafter = OracleDrafter(greedy, plan, len(ids), sm.model.args.vocab_size)
-    out, stats = mtp_generate(sm.model, drafter, ids, n, K, verify_mode)
+    out, stats = mtp_generate(sm.model, drafter, ids, n, K, commit_mode)
     want = expected(plan, K, n)
     assert out == greedy[:n]
     assert set(want["accept_hist"]) == set(range(K))
@@ -61,7 +61,7 @@ def test_every_accept_length_commits_exactly(mtp_model, oracle, prompt_ids, exac
     assert stats["accept_hist"] == want["accept_hist"]
     assert stats["accepted_drafts"] == want["accepted_drafts"]
     assert stats["full_accepts"] == want["full_accepts"]
-    if verify_mode == "direct":
+    if commit_mode == "direct":
         assert (stats["direct_commits"], stats["fallback_replays"], stats["replayed_tokens"]) == (want["partial"], 0, 0)
     else:
         assert (stats["direct_commits"], stats["fallback_replays"], stats["replayed_tokens"]) == (0, want["partial"], want["replayed"])

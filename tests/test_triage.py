@@ -55,7 +55,7 @@ def test_planted_perturbation_is_triaged(mtp_model, oracle, prompt_ids, near_tie
     # an exact tie (gap 0) still flips: at least one bf16 unit of the top-1 logit
     sm.model.lm_head = VerifyNudge(original, (top1, top2), max(gap * 1.5, tolerance_for(top1_logit) / 2))
     try:
-        spec, _ = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), ids, 24, K=2, verify_mode="direct")
+        spec, _ = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), ids, 24, K=2, commit_mode="direct")
     finally:
         sm.model.lm_head = original
     d = first_divergence(spec, greedy, margins)

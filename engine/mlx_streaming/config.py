@@ -17,8 +17,8 @@ from .errors import ConfigError
 IO_MODES = ("buffered", "direct")
 #: The knobs that size the expert pool; at most one may be set (none: every expert resident).
 POOL_SIZES = ("pool_slots", "pool_bytes", "memory_budget", "pool_fraction")
-VERIFY_MODES = ("direct", "replay")
-MISS_CHECKS = ("token", "layer")
+COMMIT_MODES = ("direct", "replay")
+MISS_CHECKS = ("forward", "layer")
 
 #: Tokens per verify (``k``) at most: a verify of K tokens costs about K decode steps, and the MTP head's
 #: acceptance falls with every draft position, so a larger K only burns time (``KChooser`` tries 1 to 4).
@@ -65,7 +65,7 @@ class StreamingConfig:
     #: Speculative decoding: tokens per verify (1 + K-1 drafts; 1: none; "auto": chosen while decoding by
     #: ``mtp.autok.KChooser``) and how Gated-DeltaNet state is committed.
     k: Union[int, str] = "auto"
-    verify_mode: str = "direct"
+    commit_mode: str = "direct"
     #: Byte-truth verification (STG_VERIFY): check every expert placed into the pool against disk.
     verify: bool = False
     #: Benchmark: warm-up tokens per path, timed runs per path (medians reported), where to dump the ids.
@@ -87,10 +87,10 @@ class StreamingConfig:
     #: At most this many experts submitted per layer / per forward (0: no limit).
     prefetch_layer_budget: int = 0
     prefetch_forward_budget: int = 0
-    #: When the engine checks that the routed experts are resident: "token" runs a forward expected to find
+    #: When the engine checks that the routed experts are resident: "forward" runs a forward expected to find
     #: them all with no per-layer host sync and checks once at its end (a miss reruns it layer by layer);
     #: "layer" syncs at every MoE layer.
-    miss_check: str = "token"
+    miss_check: str = "forward"
     #: Measure prediction recall, miss attribution and main-thread timings (costs time; off by default).
     diagnostics: bool = False
 
@@ -104,8 +104,8 @@ class StreamingConfig:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
         if self.miss_check not in MISS_CHECKS:
             raise ConfigError(f"miss_check must be one of {', '.join(MISS_CHECKS)}, got {self.miss_check!r}")
-        if self.verify_mode not in VERIFY_MODES:
-            raise ConfigError(f"verify_mode must be one of {', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
+        if self.commit_mode not in COMMIT_MODES:
+            raise ConfigError(f"commit_mode must be one of {', '.join(COMMIT_MODES)}, got {self.commit_mode!r}")
         if self.k != "auto" and (not isinstance(self.k, int) or not 1 <= self.k <= MAX_K):
             raise ConfigError(f"k must be auto or 1 to {MAX_K} (tokens per verify), got {self.k!r}")
         sizing = [n for n in POOL_SIZES if getattr(self, n) is not None]
@@ -216,13 +216,13 @@ def _prefetch_env(text: str):
 ENV_PREFIX = "MLX_STREAMING_"
 
 #: Environment name -> (StreamingConfig field, parser). Each is ``ENV_PREFIX`` and the field's name in capitals,
-#: except ``verify_mode``, named after its flag ``--commit-mode`` (``verify`` is the byte check), and
+#: except ``commit_mode``, named after its flag ``--commit-mode`` (``verify`` is the byte check), and
 #: ``STG_VERIFY``, kept as users know it.
 ENV_NAMES = {
     ENV_PREFIX + "MAX_TOKENS": ("max_tokens", int),
     ENV_PREFIX + "K": ("k", lambda text: text if text == "auto" else int(text)),
     ENV_PREFIX + "MTP_PATH": ("mtp_path", str),
-    ENV_PREFIX + "COMMIT_MODE": ("verify_mode", str),
+    ENV_PREFIX + "COMMIT_MODE": ("commit_mode", str),
     ENV_PREFIX + "PROMPT": ("prompt", str),
     ENV_PREFIX + "POOL_SLOTS": ("pool_slots", int),
     ENV_PREFIX + "POOL_BYTES": ("pool_bytes", parse_size),

@@ -84,9 +84,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--packed", dest="packed_dir", metavar="DIR", help="read experts from this packed layout (mlx-streaming repack)")
     g.add_argument("--verify", action="store_true", default=None,
                    help="byte truth: check every expert placed into the pool against its checksum (STG_VERIFY=1)")
-    g.add_argument("--miss-check", choices=("token", "layer"),
+    g.add_argument("--miss-check", choices=("forward", "layer"),
                    help="check that routed experts are resident once per forward, rerunning it layer by layer "
-                        "after a miss (token), or at every MoE layer (layer) (default token)")
+                        "after a miss (forward), or at every MoE layer (layer) (default forward)")
     g = p.add_argument_group("prefetch")
     g.add_argument("--prefetch", nargs="?", const=True, default=None, type=_prefetch, metavar="auto",
                    help="read predicted experts in the background; --prefetch auto: on or off, whichever decodes "

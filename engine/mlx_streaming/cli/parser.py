@@ -50,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("speculation and timing")
     g.add_argument("--k", type=_k, help="tokens per verify: 1 + K-1 MTP drafts, or auto: chosen while decoding "
                                         f"from measured step costs and acceptance (default {DEFAULTS.k})")
-    g.add_argument("--commit-mode", dest="verify_mode", choices=("direct", "replay"),
+    g.add_argument("--commit-mode", dest="commit_mode", choices=("direct", "replay"),
                    help="how Gated-DeltaNet state is committed after a partial accept: keep the per-position states "
-                        f"(direct) or restore a snapshot and replay (default {DEFAULTS.verify_mode})")
+                        f"(direct) or restore a snapshot and replay (default {DEFAULTS.commit_mode})")
     g.add_argument("--warmup", dest="warmup_tokens", type=int, metavar="N",
                    help=f"warm-up tokens per path before the timed runs (default {DEFAULTS.warmup_tokens})")
     g.add_argument("--repeat", type=int, metavar="N", help=f"timed runs per path, medians reported (default {DEFAULTS.repeat})")
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="greedy with prefetch off, on and auto, interleaved: tok/s and auto over the better")
     modes.add_argument("--overhead", action="store_true",
                        help="the engine's own cost per token: in-memory vs streaming with the miss check per layer "
-                            "and per token (host syncs, wait), greedy and MTP")
+                            "and per forward (host syncs, wait), greedy and MTP")
     modes.add_argument("--gate-power", action="store_true",
                        help="how often the perf gate catches planted 5/10/20%% slowdowns and fails an unchanged "
                             "tree, quiet and beside two busy loops (about 25 minutes here; --json FILE keeps the "

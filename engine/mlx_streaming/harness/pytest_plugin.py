@@ -456,7 +456,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"{len(rows)} speculative runs, {exact} token-for-token equal to greedy")
     diverged = [r for r in rows if r["divergence"] is not None]
     if diverged:
-        table = [[r["prompt"], r["K"], r["verify_mode"], r["pool"], d["step"], d["top1"], d["top2"], f"{d['gap']:.5f}",
+        table = [[r["prompt"], r["K"], r["commit_mode"], r["pool"], d["step"], d["top1"], d["top2"], f"{d['gap']:.5f}",
                   "near-tie" if d["near_tie"] else "BUG"] for r in diverged for d in [r["divergence"]]]
         terminalreporter.write_line(tabulate(table, headers=["prompt", "K", "mode", "pool", "step", "top-1", "top-2", "gap", "verdict"]))
 

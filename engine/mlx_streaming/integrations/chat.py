@@ -34,7 +34,7 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
     mx.random.seed(seed)
     loop.install()
     with build_streaming_model(model_dir, config) as sm:
-        engine = loop.EngineLoop(sm, config.k, config.verify_mode, speculate=False)  # the cache ends at the answer
+        engine = loop.EngineLoop(sm, config.k, config.commit_mode, speculate=False)  # the cache ends at the answer
         tokenizer, store = sm.tokenizer, sm.store
         if not getattr(tokenizer, "chat_template", None):
             print("this model has no chat template: each line is text for it to continue", file=sys.stderr)

@@ -24,10 +24,10 @@ _MLX_SPECULATIVE_STEP = mlx_generate.speculative_generate_step
 
 class EngineLoop:
     """What stands in mlx-lm's draft-model slot: the streaming model, and how greedy requests speculate
-    (``k``, ``verify_mode``; ``speculate`` False: never, as where the prompt cache must end at the last token)."""
+    (``k``, ``commit_mode``; ``speculate`` False: never, as where the prompt cache must end at the last token)."""
 
-    def __init__(self, streaming, k, verify_mode: str, speculate: bool):
-        self.streaming, self.k, self.verify_mode = streaming, k, verify_mode
+    def __init__(self, streaming, k, commit_mode: str, speculate: bool):
+        self.streaming, self.k, self.commit_mode = streaming, k, commit_mode
         self.speculate = speculate and streaming.mtp is not None
 
     def make_cache(self) -> list:
@@ -52,7 +52,7 @@ def _mtp_tokens(prompt, loop: EngineLoop, stream, max_tokens: int):
     from ..mtp.drafter import MTPDrafter
     from ..mtp.speculative import SpecStats, mtp_stream
 
-    sm, stats = loop.streaming, SpecStats(loop.verify_mode, loop.k)
+    sm, stats = loop.streaming, SpecStats(loop.commit_mode, loop.k)
     try:
         with mx.stream(stream):
             for token, logits, from_draft in mtp_stream(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, max_tokens, stats):

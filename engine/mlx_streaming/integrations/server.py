@@ -65,7 +65,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer = self.streaming.model, self.streaming.tokenizer
         self.processor, self.is_batchable = None, False
-        self.draft_model = loop.EngineLoop(self.streaming, self.config.k, self.config.verify_mode, speculate=True)
+        self.draft_model = loop.EngineLoop(self.streaming, self.config.k, self.config.commit_mode, speculate=True)
 
     def served_id(self) -> str:
         """The model's id in ``/v1/models``: its folder's absolute path."""

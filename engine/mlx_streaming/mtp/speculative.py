@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..runtime.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
-from ..config import VERIFY_MODES
+from ..config import COMMIT_MODES
 from ..decode.greedy import prefill_chunked
 from .autok import KChooser
 
@@ -36,7 +36,7 @@ PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", 
 
 @dataclass
 class SpecStats:
-    verify_mode: str
+    commit_mode: str
     k: Union[int, str]
     tokens: int = 0
     steps: int = 0
@@ -54,7 +54,7 @@ class SpecStats:
         wall = sum(self.times.values())
         decode = wall - self.times["prefill"]
         return {
-            "verify_mode": self.verify_mode, "K": self.k, "tokens": self.tokens, "steps": self.steps,
+            "commit_mode": self.commit_mode, "K": self.k, "tokens": self.tokens, "steps": self.steps,
             "accepted_drafts": self.accepted, "avg_accept_len": self.accepted / self.steps if self.steps else 0.0,
             "tokens_per_step": (self.tokens - 1) / self.steps if self.steps else 0.0,
             "full_accepts": self.full_accepts, "direct_commits": self.direct_commits,
@@ -77,12 +77,12 @@ class _Clock:
 
 
 def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: Union[int, str] = 3,
-                 verify_mode: str = "direct", prefill_chunk: int = 256,
+                 commit_mode: str = "direct", prefill_chunk: int = 256,
                  on_decode: Optional[Callable[[], None]] = None) -> Tuple[List[int], dict]:
     """``max_tokens`` ids equal to greedy decoding's, and the run's statistics. ``K`` tokens per verify (1: no
     drafts), or "auto": a ``KChooser`` picks K at every step from what it measures. ``on_decode()`` is called
     once the prompt is prefilled (a benchmark starts its counters there)."""
-    stats = SpecStats(verify_mode, K)
+    stats = SpecStats(commit_mode, K)
     out = [token for token, _, _ in mtp_stream(model, drafter, prompt_ids, max_tokens, stats, prefill_chunk, on_decode)]
     result = stats.as_dict()
     if stats.chooser:
@@ -97,14 +97,14 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
     the main model's row that chose the token and ``from_draft`` says that the head had drafted it (and the
     verify accepted it). ``stats`` (its verify mode and K) is filled as the steps run. A step commits up to K
     tokens at once, so a consumer that stops early leaves the caches past the last token it took."""
-    verify_mode, K = stats.verify_mode, stats.k
-    if verify_mode not in VERIFY_MODES:
-        raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
+    commit_mode, K = stats.commit_mode, stats.k
+    if commit_mode not in COMMIT_MODES:
+        raise ValueError(f"commit_mode must be one of {COMMIT_MODES}, got {commit_mode!r}")
     if K != "auto" and (not isinstance(K, int) or K < 1):
         raise ValueError(f"K must be a positive integer or 'auto', got {K!r}")
     chooser = stats.chooser = KChooser() if K == "auto" else None
     clock = _Clock(stats.times)
-    captures = state_captures(model) if verify_mode == "direct" else []
+    captures = state_captures(model) if commit_mode == "direct" else []
     cache = make_prompt_cache(model)
 
     hiddens = []
@@ -132,7 +132,7 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
             unfed = []
         drafts = drafter.propose(k - 1) if k > 1 else []
         clock.lap("draft")
-        snapshot = [list(c.cache) for c in recurrent_caches(cache)] if verify_mode == "replay" else None
+        snapshot = [list(c.cache) for c in recurrent_caches(cache)] if commit_mode == "replay" else None
         clock.lap("snapshot")
         logits, hidden = _verify(model, mx.array([[x] + drafts]), cache, captures)
         clock.lap("verify")
@@ -148,7 +148,7 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
         stats.k_hist.append(k)
         if a == k - 1:
             stats.full_accepts += 1
-        elif verify_mode == "direct":
+        elif commit_mode == "direct":
             for c in attention_caches(cache):
                 c.trim(k - 1 - a)
             for capture, c in zip(captures, recurrent_caches(cache)):

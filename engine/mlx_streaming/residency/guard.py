@@ -49,7 +49,7 @@ def _flat(routes: List[tuple]) -> mx.array:
 class MissGuard:
     def __init__(self, pool: ExpertPool, counters: ResidencyStats, miss_check: str,
                  account: Callable[[List[tuple], np.ndarray], None], only_counted: Callable[[], bool]):
-        """``miss_check``: "token" (defer where it can) or "layer" (never). ``account(routes, hosted)`` accounts
+        """``miss_check``: "forward" (defer where it can) or "layer" (never). ``account(routes, hosted)`` accounts
         a checked forward's routes layer by layer (recency, recording, prediction); ``only_counted()`` says
         whether nothing but the hit counters watches routes, so that a checked forward is counted in one pass."""
         self.pool, self.counters, self.miss_check = pool, counters, miss_check
@@ -96,11 +96,11 @@ class MissGuard:
         self._missed |= self._in_forward
 
     def _begin(self, tokens: int) -> bool:
-        """Whether this forward defers its check: "token" checks, a short call, and the forward before it found
+        """Whether this forward defers its check: "forward" checks, a short call, and the forward before it found
         every routed expert resident. After a miss forwards run layer by layer (none is wasted on a check that
         fails) until one finds all its experts resident: a cold pool stays on the per-layer path, a warm one
         goes back to deferring one forward after a rare miss."""
-        if self.miss_check != "token" or tokens > DEFERRED_TOKENS or self.deferring or self._previous_missed:
+        if self.miss_check != "forward" or tokens > DEFERRED_TOKENS or self.deferring or self._previous_missed:
             return False
         self.deferring, self._deferred = True, []
         self.counters.deferred_forwards += 1
@@ -149,7 +149,7 @@ class MissGuard:
     def counts_later(self) -> bool:
         """Whether forwards are kept to be counted later: the pool is complete, the check is per token and
         nothing but the hit counters watches routes. Such a forward never runs again."""
-        return self.pool.complete and self.miss_check == "token" and self._only_counted()
+        return self.pool.complete and self.miss_check == "forward" and self._only_counted()
 
     def _count_later(self, routes: List[tuple]) -> bool:
         """Where ``counts_later``, keep ``routes`` to be counted with others and return True. Every

@@ -33,7 +33,7 @@ def _distinct(routed: np.ndarray) -> List[int]:
 
 class ExpertStore:
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
-                 verifier=None, prefetcher=None, predictor=None, prefetch_switch=None, miss_check: str = "token",
+                 verifier=None, prefetcher=None, predictor=None, prefetch_switch=None, miss_check: str = "forward",
                  counters: Optional[ResidencyStats] = None):
         """``verifier`` (a ByteVerifier) checks every expert placed; ``prefetcher`` and ``predictor`` (both or
         neither) read predicted experts in the background, every forward or, with ``prefetch_switch`` (a

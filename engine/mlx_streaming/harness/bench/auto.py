@@ -28,7 +28,7 @@ def k_report(model_dir: Path, config: StreamingConfig) -> dict:
 
         def arm(k):
             def once(n):
-                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, config.verify_mode,
+                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, config.commit_mode,
                                           config.prefill_chunk)
                 return stats["decode_tok_s"], ids, stats["k_hist"]
             return once

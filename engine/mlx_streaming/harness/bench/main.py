@@ -32,7 +32,7 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
     _say(f"building the streaming model from {model_dir}")
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
         prompt_ids = sm.tokenizer.encode(config.prompt)
-        K, mode, chunk, n = config.k, config.verify_mode, config.prefill_chunk, config.max_tokens
+        K, mode, chunk, n = config.k, config.commit_mode, config.prefill_chunk, config.max_tokens
         weights = _streaming_weights(sm)
 
         def greedy_once():
@@ -64,7 +64,7 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             "first_divergence": None if divergence is None else {**divergence.__dict__, "near_tie": divergence.near_tie},
             "greedy_tok_s": _spread(greedy_rates), "spec_tok_s": _spread(spec_rates),
             "speedup": statistics.median(spec_rates) / statistics.median(greedy_rates),
-            **{k: spec_stats[k] for k in ("avg_accept_len", "tokens_per_step", "steps", "verify_mode", "direct_commits",
+            **{k: spec_stats[k] for k in ("avg_accept_len", "tokens_per_step", "steps", "commit_mode", "direct_commits",
                                           "fallback_replays", "replayed_tokens", "accept_hist")},
             "spec_time_s": spec_stats["time_s"], "projected_tok_s_free_replay": spec_stats["projected_tok_s_free_replay"],
             "greedy_io": greedy_counters, "spec_io": spec_counters,
@@ -107,7 +107,7 @@ def table(result: dict) -> str:
         rows.append(["mlx-lm in-memory greedy", _f(base, 2), _f(1.0, 3), "-", "-", "0",
                      _f(inmemory["weights_bytes"] / 1e6, 1), _f(inmemory["mlx_peak_growth_bytes"] / 1e6, 1), "(reference)"])
     paths = (("streaming greedy", "greedy_tok_s", "greedy_io", result.get("inmemory_ids_match", "(reference)")),
-             (f"streaming MTP K={result['K']} ({result['verify_mode']})", "spec_tok_s", "spec_io",
+             (f"streaming MTP K={result['K']} ({result['commit_mode']})", "spec_tok_s", "spec_io",
               result.get("spec_inmemory_ids_match", result["exact_match"])))
     for label, key, io, ids_equal in paths:
         t, c = result[key], result[io]

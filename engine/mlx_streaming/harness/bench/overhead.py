@@ -35,7 +35,7 @@ def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
     with ExitStack() as stack:
         arms = {("mlx-lm in-memory greedy", None): _costed(_greedy_path(model, prompt_ids, config), None)}
         slots = {}
-        for miss_check in ("layer", "token"):
+        for miss_check in ("layer", "forward"):
             sm = stack.enter_context(build_streaming_model(model_dir, config.replace(miss_check=miss_check,
                                                                                      mtp=bool(has_mtp))))
             slots[miss_check] = sm.store.capacity
@@ -63,7 +63,7 @@ def _greedy_path(model, prompt_ids, config: StreamingConfig) -> Callable:
 def _speculative_path(sm, prompt_ids, config: StreamingConfig) -> Callable:
     def once(n, on_decode):
         ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, config.k,
-                                  config.verify_mode, config.prefill_chunk, on_decode)
+                                  config.commit_mode, config.prefill_chunk, on_decode)
         return stats["decode_tok_s"], ids
     return once
 
