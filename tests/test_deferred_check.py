@@ -82,7 +82,7 @@ def test_a_preloaded_pool_is_counted_in_bulk_as_the_per_layer_path_counts(model_
 
 
 def test_bulk_counts_wait_once_per_count_every_forwards_and_a_reset_drops_them(model_dir, prompt_ids):
-    from mlx_streaming.residency.guard import COUNT_EVERY
+    from mlx_streaming.residency.bulk import COUNT_EVERY
 
     prompt = prompt_ids[0]
     with build_streaming_model(model_dir, StreamingConfig(preload=True)) as sm:

@@ -52,6 +52,6 @@ def test_auto_prefetch_decodes_greedy_ids(model_dir, reference_model):
         ids = sm.tokenizer.encode("def fibonacci(n):")
         got = greedy_generate(sm.model, ids, 40)
         s = sm.store.stats()
-        assert sm.store.prefetch_switch.decisions  # both arms were probed and a decision taken
+        assert sm.prefetch.switch.decisions  # both arms were probed and a decision taken
     assert got == greedy_generate(reference_model, ids, 40)
     assert s["prefetch_off_forwards"] >= WINDOW + 1 and s["prefetch_submitted"] > 0

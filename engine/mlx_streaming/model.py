@@ -30,6 +30,7 @@ from .checkpoint.safetensors import read_checkpoint_headers, read_header
 from .config import StreamingConfig
 from .errors import CheckpointError, ConfigError, ConfigMismatchError, MissingTensorError, UnsupportedModelError
 from .io.reader import ExpertReader
+from .prefetch.hooks import PrefetchHooks
 from .prefetch.predictor import ExpertPredictor
 from .prefetch.prefetcher import Prefetcher
 from .prefetch.switch import PrefetchSwitch
@@ -52,6 +53,8 @@ class StreamingModel:
     plan: MemoryPlan
     #: The MTP head (``config.mtp``), its experts in the same store under layer id ``num_hidden_layers``.
     mtp: Optional[object] = None
+    #: The prefetch side of each forward (``config.prefetch``); its ``switch`` with ``--prefetch auto``.
+    prefetch: Optional[PrefetchHooks] = None
 
     def reset_stats(self) -> None:
         self.store.reset_stats()
@@ -187,17 +190,17 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
                                     mult=config.prefetch_mult, layer_budget=config.prefetch_layer_budget,
                                     forward_budget=config.prefetch_forward_budget, diagnostics=config.diagnostics)
     store = ExpertStore(index, reader, capacity, top_k, config.record, verifier=ByteVerifier(index, counters) if config.verify else None,
-                        prefetcher=prefetcher, predictor=predictor,
-                        prefetch_switch=PrefetchSwitch() if config.prefetch == "auto" else None, miss_check=config.miss_check,
-                        counters=counters)
+                        prefetcher=prefetcher, predictor=predictor, miss_check=config.miss_check, counters=counters)
     install(ckpt.sites, store.pool.arrays, lambda site: StreamingSwitch(site.switch, site.layer, store))
     mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
+    hooks = None
     if predictor is not None:
-        wrap_layers(ckpt.model, main_sites, store.before_layer)
+        hooks = PrefetchHooks(store, PrefetchSwitch() if config.prefetch == "auto" else None)
+        wrap_layers(ckpt.model, main_sites, hooks.before_layer)
     defer_miss_checks(ckpt.model, main_sites, store)
     if ckpt.head is not None:
         install_state_capture(ckpt.model)
-    sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, plan, ckpt.head)
+    sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, plan, ckpt.head, hooks)
     if config.preload:
         store.fill()
         sm.reset_stats()

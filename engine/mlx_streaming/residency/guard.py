@@ -7,7 +7,7 @@ accounted as the layer-by-layer path would account them; if not, the caches are 
 again, layer by layer (same ids, same counters). Inside ``queueing`` (a decode loop one step ahead) the check is
 left queued, to be confirmed after the next step is queued on the device. On a complete pool (every expert
 resident, nothing watching routes but the hit counters) no forward can miss: routes are kept and counted in
-bulk, ``COUNT_EVERY`` forwards at a time, with no wait for the step in flight.
+bulk (``bulk.BulkCount``), with no wait for the step in flight.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from .bulk import BulkCount
 from .pool import ExpertPool
 from .stats import ResidencyStats
 
-#: A complete pool's forwards are counted in batches of this many (``_count_later``).
-COUNT_EVERY = 64
 #: Forwards of more tokens than this check layer by layer: a rerun of a long prefill chunk would cost more
 #: than the syncs it saves.
 DEFERRED_TOKENS = 16
@@ -63,8 +62,8 @@ class MissGuard:
         #: Deferred forwards not yet confirmed, oldest first (``queueing``), and where ``_queue`` puts new ones.
         self._queued: List[QueuedCheck] = []
         self._queue_into: Optional[list] = None
-        #: Forwards of a complete pool not yet counted, each its routes by layer (``_count_later``).
-        self._uncounted: List[List[tuple]] = []
+        #: Forwards of a complete pool, kept to be counted in bulk (``_count_later``).
+        self.bulk = BulkCount(pool, counters)
         #: Whether the forward running and the one before it found a routed expert not resident.
         self._missed = self._previous_missed = False
 
@@ -147,47 +146,21 @@ class MissGuard:
 
     @property
     def counts_later(self) -> bool:
-        """Whether forwards are kept to be counted later: the pool is complete, the check is per token and
+        """Whether forwards are kept to be counted later: the pool is complete, the check is per forward and
         nothing but the hit counters watches routes. Such a forward never runs again."""
         return self.pool.complete and self.miss_check == "forward" and self._only_counted()
 
     def _count_later(self, routes: List[tuple]) -> bool:
-        """Where ``counts_later``, keep ``routes`` to be counted with others and return True. Every
-        ``COUNT_EVERY`` forwards the ones before the newest are counted: a decode loop has read their tokens
-        back, so their routes are on the host's side already and counting them waits for nothing in flight."""
+        """Where ``counts_later``, keep ``routes`` to be counted with others (``bulk.BulkCount``) and return True."""
         if not self.counts_later:
             return False
-        self.counters.fastpath += len(routes)
-        self._uncounted.append(routes)
-        if len(self._uncounted) > COUNT_EVERY:
-            self.count_uncounted(keep_newest=True)
+        self.bulk.keep(routes)
         return True
 
     def count_call_later(self, layer: int, indices: mx.array) -> bool:
         """One MoE layer call outside a deferred forward (a long prefill, the MTP head), counted later as a
         forward of one layer where the pool is complete; else False."""
         return self._count_later([(layer, indices)])
-
-    def count_uncounted(self, keep_newest: bool = False) -> None:
-        """Count the hits of the forwards kept to be counted (all, or all but the newest): every layer's distinct
-        experts, per forward. Counted as one host sync, whether or not their routes were ready."""
-        if not self._uncounted:
-            return
-        split = len(self._uncounted) - keep_newest
-        forwards, self._uncounted = self._uncounted[:split], self._uncounted[split:]
-        routes = [route for forward in forwards for route in forward]
-        start = time.perf_counter()
-        hosted = np.concatenate([np.array(indices).reshape(-1) for _, indices in routes])
-        self.counters.host_syncs += 1
-        self.counters.sync_s += time.perf_counter() - start
-        start = time.perf_counter()
-        offsets = [n * self.pool.table_size for n, forward in enumerate(forwards) for _ in forward]
-        self.counters.hits += len(set(self.pool.keys(routes, hosted, offsets).tolist()))
-        self.counters.route_s += time.perf_counter() - start
-
-    def forget_uncounted(self) -> None:
-        """Drop the forwards kept to be counted (a statistics reset: they ran before it)."""
-        self._uncounted = []
 
     # ------------------------------------------------------------ checks queued by a decode loop one step ahead
 

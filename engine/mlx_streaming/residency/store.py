@@ -2,23 +2,23 @@
 check (``guard.MissGuard``) and the counters, and brings in the parts the model was built with: the reader,
 the prefetcher and its predictor, the byte verifier.
 
-``acquire`` makes the requested experts resident and says which slot holds each: bytes staged by the prefetcher
-are taken, the rest read in one batch, all before any slot changes hands (a failed read leaves the pool as it
-was), then placed.
+``acquire`` makes the requested experts resident and says which slot holds each; the missing ones are read and
+placed by ``loader.ExpertLoader``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
-from ..errors import ExpertIOError, PoolTooSmallError
+from ..errors import PoolTooSmallError
 from ..io.reader import ExpertReader
 from .guard import MissGuard
+from .loader import ExpertLoader
 from .pool import ExpertPool
 from .stats import ResidencyStats, RoutedCounts
 
@@ -33,12 +33,11 @@ def _distinct(routed: np.ndarray) -> List[int]:
 
 class ExpertStore:
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
-                 verifier=None, prefetcher=None, predictor=None, prefetch_switch=None, miss_check: str = "forward",
+                 verifier=None, prefetcher=None, predictor=None, miss_check: str = "forward",
                  counters: Optional[ResidencyStats] = None):
         """``verifier`` (a ByteVerifier) checks every expert placed; ``prefetcher`` and ``predictor`` (both or
-        neither) read predicted experts in the background, every forward or, with ``prefetch_switch`` (a
-        ``PrefetchSwitch``), those it turns prefetch on for: the store is built with every part it uses, and
-        with the one ``counters`` object they all count into."""
+        neither) read predicted experts in the background (``prefetch.hooks``): the store is built with every
+        part it uses, and with the one ``counters`` object they all count into."""
         if capacity < top_k:
             raise PoolTooSmallError(
                 f"pool_slots={capacity} is below num_experts_per_tok={top_k}: one token needs {top_k} experts resident"
@@ -49,9 +48,7 @@ class ExpertStore:
         self.counters = counters or ResidencyStats()
         self.guard = MissGuard(self.pool, self.counters, miss_check, self._account, self._only_counted)
         self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
-        self.prefetch_switch, self.prefetching = prefetch_switch, prefetcher is not None
-        if prefetch_switch is not None:
-            self.guard.forward_hooks.append(self._switch_prefetch)
+        self.loader = ExpertLoader(index, reader, self.pool, self.counters, self.sync, prefetcher, verifier)
         #: Count every routed (layer, expert) at acquire, into ``routed``.
         self.record = record
         self.routed = RoutedCounts(index.layers, index.num_experts)
@@ -61,7 +58,7 @@ class ExpertStore:
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.guard.forget_uncounted()  # forwards before the reset: not counted
+        self.guard.bulk.forget()  # forwards before the reset: not counted
         self.counters.reset(self.prefetcher.staging_bytes if self.prefetcher else 0)
         self.reader.reads = 0
         if self.predictor is not None and self.predictor.diagnostics is not None:
@@ -71,7 +68,7 @@ class ExpertStore:
         """Every counter (``residency.stats.FIELDS``), and what follows from them: ``demand_loads``,
         ``prefetch_bytes``, ``bytes_read`` (every byte read from disk), ``read_calls`` (the reader's system
         reads), and ``verify_from_manifest`` / ``prefetch_staging_bytes`` where those parts exist."""
-        self.guard.count_uncounted()
+        self.guard.bulk.count()
         c = self.counters
         out = c.as_dict()
         out["demand_loads"] = c.misses - c.prefetched
@@ -153,48 +150,9 @@ class ExpertStore:
         self.counters.hits += len(experts) - len(missing)
         self.counters.route_s += time.perf_counter() - start
         if missing:
-            self._load(layer, missing, protected=set(experts))
+            self.loader.load(layer, missing, protected=set(experts))
         slots = self.pool.slots[layer]
         return [int(slots[e]) for e in experts]
-
-    def _load(self, layer: int, experts: List[int], protected: set) -> None:
-        staged, taken = self._read(layer, experts)
-        start = time.perf_counter()
-        placed, evictions = self.pool.place(layer, experts, staged, protected)
-        self.sync(list(self.pool.arrays[layer].values()))
-        self.counters.place_s += time.perf_counter() - start
-        self.counters.evictions += evictions
-        self.counters.misses += len(experts)
-        self.counters.prefetched += taken
-        if self.verifier is not None:
-            for expert, slot in placed:
-                self.verifier.check(layer, expert, self.pool.arrays[layer], slot)
-
-    def _read(self, layer: int, experts: List[int]) -> Tuple[Dict[int, list], int]:
-        """Each expert's host buffers (taken from the prefetcher's staging, the rest read in one batch), and how
-        many were taken from staging."""
-        staged = {}
-        if self.prefetcher is not None:
-            for expert in experts:
-                buffers = self.prefetcher.take(layer, expert)
-                if buffers is not None:
-                    staged[expert] = buffers
-        taken = len(staged)
-        demand = [e for e in experts if e not in staged]
-        if not demand:
-            return staged, taken
-        start = time.perf_counter()
-        slices = [self.index.slices(layer, e) for e in demand]
-        try:
-            buffers = self.reader.read([(s.path, s.offset, s.nbytes) for per in slices for s in per])
-        except ExpertIOError as exc:
-            raise ExpertIOError(f"layer {layer} expert {demand[exc.range_index // len(slices[0])]}: {exc}") from None
-        self.counters.read_s += time.perf_counter() - start
-        per_expert = len(slices[0])
-        for i, e in enumerate(demand):
-            staged[e] = buffers[i * per_expert:(i + 1) * per_expert]
-        self.counters.demand_bytes += sum(s.nbytes for per in slices for s in per)
-        return staged, taken
 
     def close(self) -> None:
         """Stop the prefetcher's threads and close the reader's files."""
@@ -203,30 +161,6 @@ class ExpertStore:
         self.reader.close()
 
     # ------------------------------------------------------------ prefetch
-
-    def _switch_prefetch(self, tokens: int) -> None:
-        """A forward starts: the prefetch switch decides whether it prefetches."""
-        self.prefetching = self.prefetch_switch.forward(tokens)
-        self.counters.prefetch_off_forwards += not self.prefetching
-
-    def before_layer(self, layer: int, x) -> None:
-        """Decoder layer ``layer`` is about to run on ``x``: submit the predicted experts not resident (not in
-        a forward that defers its miss check: it expects every expert resident, and predicting would sync)."""
-        if self.guard.deferring:
-            return
-        if layer == 0:
-            self.predictor.start_forward(x.shape[1])
-        if not self.prefetching:  # the prefetch switch turned it off for this forward
-            return
-        plan = self.predictor.predict(layer, x, self.to_host)
-        if plan is None:
-            return
-        target, ranked = plan
-        start = time.perf_counter()
-        policy = self.pool.policies[target]
-        missing = self.predictor.within_budget([e for e in ranked if policy.slot(e) is None])
-        accepted = self.prefetcher.submit(target, missing)
-        self.predictor.submitted(target, missing, accepted, time.perf_counter() - start)
 
     def layer_done(self, layer: int) -> None:
         """``layer``'s MoE block has its experts: what is still staged for it is stale."""

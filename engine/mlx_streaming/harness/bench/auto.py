@@ -60,7 +60,7 @@ def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
 
         names = {False: "off", True: "on", "auto": "auto"}
         rates, runs = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, config)
-        switch = models["auto"].store.prefetch_switch
+        switch = models["auto"].prefetch.switch
         return {"model": str(model_dir), "pool_slots": models[False].store.capacity, "io_mode": config.io_mode,
                 "max_tokens": config.max_tokens, "repeat": config.repeat, **_versus_best(rates, "auto"),
                 "auto_decisions": ["on" if d else "off" for d in switch.decisions],

@@ -1,0 +1,55 @@
+"""BulkCount: the hits of a complete pool's forwards, counted many forwards at a time.
+
+Where every expert is resident and nothing but the hit counters watches routes, no forward can miss, so none
+waits for its check: each forward's routes are kept, and every ``COUNT_EVERY`` forwards the ones before the
+newest are counted (a decode loop has read their tokens back, so their routes are on the host's side already
+and counting them waits for nothing in flight), the rest at ``stats()``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List
+
+import numpy as np
+
+from .pool import ExpertPool
+from .stats import ResidencyStats
+
+#: A complete pool's forwards are counted in batches of this many.
+COUNT_EVERY = 64
+
+
+class BulkCount:
+    def __init__(self, pool: ExpertPool, counters: ResidencyStats):
+        self.pool, self.counters = pool, counters
+        #: Forwards not yet counted, each its routes by layer.
+        self._uncounted: List[List[tuple]] = []
+
+    def keep(self, routes: List[tuple]) -> None:
+        """One forward's routes ((layer, indices) pairs, lazy), to be counted later."""
+        self.counters.fastpath += len(routes)
+        self._uncounted.append(routes)
+        if len(self._uncounted) > COUNT_EVERY:
+            self.count(keep_newest=True)
+
+    def count(self, keep_newest: bool = False) -> None:
+        """Count the hits of the forwards kept (all, or all but the newest): every layer's distinct experts, per
+        forward. Counted as one host sync, whether or not their routes were ready."""
+        if not self._uncounted:
+            return
+        split = len(self._uncounted) - keep_newest
+        forwards, self._uncounted = self._uncounted[:split], self._uncounted[split:]
+        routes = [route for forward in forwards for route in forward]
+        start = time.perf_counter()
+        hosted = np.concatenate([np.array(indices).reshape(-1) for _, indices in routes])
+        self.counters.host_syncs += 1
+        self.counters.sync_s += time.perf_counter() - start
+        start = time.perf_counter()
+        offsets = [n * self.pool.table_size for n, forward in enumerate(forwards) for _ in forward]
+        self.counters.hits += len(set(self.pool.keys(routes, hosted, offsets).tolist()))
+        self.counters.route_s += time.perf_counter() - start
+
+    def forget(self) -> None:
+        """Drop the forwards kept (a statistics reset: they ran before it)."""
+        self._uncounted = []

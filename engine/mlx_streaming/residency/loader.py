@@ -1,0 +1,62 @@
+"""ExpertLoader: brings missing experts into a layer's pool. Bytes staged by the prefetcher are taken, the rest
+read in one batch, all before any slot changes hands (a failed read leaves the pool as it was), then placed,
+waited for, and checked by the byte verifier where there is one."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Tuple
+
+from ..checkpoint.experts import ExpertIndex
+from ..errors import ExpertIOError
+from ..io.reader import ExpertReader
+from .pool import ExpertPool
+from .stats import ResidencyStats
+
+
+class ExpertLoader:
+    def __init__(self, index: ExpertIndex, reader: ExpertReader, pool: ExpertPool, counters: ResidencyStats,
+                 sync: Callable[[list], None], prefetcher=None, verifier=None):
+        """``sync(arrays)``: the store's counted wait for the device."""
+        self.index, self.reader, self.pool, self.counters, self.sync = index, reader, pool, counters, sync
+        self.prefetcher, self.verifier = prefetcher, verifier
+
+    def load(self, layer: int, experts: List[int], protected: set) -> None:
+        """Place ``experts`` (not resident) into ``layer``'s pool, evicting none of ``protected``."""
+        staged, taken = self._read(layer, experts)
+        start = time.perf_counter()
+        placed, evictions = self.pool.place(layer, experts, staged, protected)
+        self.sync(list(self.pool.arrays[layer].values()))
+        self.counters.place_s += time.perf_counter() - start
+        self.counters.evictions += evictions
+        self.counters.misses += len(experts)
+        self.counters.prefetched += taken
+        if self.verifier is not None:
+            for expert, slot in placed:
+                self.verifier.check(layer, expert, self.pool.arrays[layer], slot)
+
+    def _read(self, layer: int, experts: List[int]) -> Tuple[Dict[int, list], int]:
+        """Each expert's host buffers (taken from the prefetcher's staging, the rest read in one batch), and how
+        many were taken from staging."""
+        staged = {}
+        if self.prefetcher is not None:
+            for expert in experts:
+                buffers = self.prefetcher.take(layer, expert)
+                if buffers is not None:
+                    staged[expert] = buffers
+        taken = len(staged)
+        demand = [e for e in experts if e not in staged]
+        if not demand:
+            return staged, taken
+        start = time.perf_counter()
+        slices = [self.index.slices(layer, e) for e in demand]
+        try:
+            buffers = self.reader.read([(s.path, s.offset, s.nbytes) for per in slices for s in per])
+        except ExpertIOError as exc:
+            raise ExpertIOError(f"layer {layer} expert {demand[exc.range_index // len(slices[0])]}: {exc}") from None
+        self.counters.read_s += time.perf_counter() - start
+        per_expert = len(slices[0])
+        for i, e in enumerate(demand):
+            staged[e] = buffers[i * per_expert:(i + 1) * per_expert]
+        self.counters.demand_bytes += sum(s.nbytes for per in slices for s in per)
+        return staged, taken
