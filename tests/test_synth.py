@@ -97,9 +97,11 @@ import tracemalloc
 import pytest
 
 from mlx_streaming.errors import ConfigError
-from mlx_streaming.harness import synth_stream
+from mlx_streaming.harness import synth_plan, synth_values
 from mlx_streaming.harness.synth import STARTED, preset_config
-from mlx_streaming.harness.synth_stream import plan_checkpoint, tensor_blocks, write_checkpoint
+from mlx_streaming.harness.synth_plan import plan_checkpoint
+from mlx_streaming.harness.synth_stream import write_checkpoint
+from mlx_streaming.harness.synth_values import tensor_blocks
 
 #: A few layers of Qwen3-Next at a reduced width, for what must write in a test's time.
 NARROW = dict(hidden_size=256, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
@@ -187,7 +189,7 @@ def test_streamed_writer_holds_a_few_blocks_and_writes_a_model_mlx_lm_runs(tmp_p
     the layers are, and mlx-lm loads the result and gives finite, varied logits; the routers prefer some experts."""
     from mlx_lm import load
 
-    config = synth_stream.sized_config({**NARROW, "num_experts": 512}, layers=4)  # big layers, cheap tokens
+    config = synth_plan.sized_config({**NARROW, "num_experts": 512}, layers=4)  # big layers, cheap tokens
     out = tmp_path / "narrow"
     out.mkdir()
     plan = plan_checkpoint(config)
@@ -201,7 +203,7 @@ def test_streamed_writer_holds_a_few_blocks_and_writes_a_model_mlx_lm_runs(tmp_p
     assert plan.total_bytes < stats.bytes < plan.total_bytes + (1 << 20)  # the headers
     assert plan.total_bytes > 4 * layer > 50 << 20
     print(f"tracemalloc peak {peak / 2**20:.1f} MiB, one layer {layer / 2**20:.1f} MiB")
-    assert peak < min(layer, 8 * synth_stream.BLOCK_BYTES), (peak, layer)
+    assert peak < min(layer, 8 * synth_values.BLOCK_BYTES), (peak, layer)
 
     model, tokenizer = load(str(out))
     logits = np.array(model(mx.array([tokenizer.encode("def fibonacci(n):")]))[0].astype(mx.float32))
@@ -209,7 +211,7 @@ def test_streamed_writer_holds_a_few_blocks_and_writes_a_model_mlx_lm_runs(tmp_p
     gate = model.model.layers[0].mlp.gate
     rows = np.array(mx.dequantize(gate.weight, gate.scales, gate.biases, 64, 8).astype(mx.float32))
     norms = np.linalg.norm(rows, axis=1)
-    hot = synth_stream.popularity(0, "model.layers.0.mlp.gate", len(norms))
+    hot = synth_values.popularity(0, "model.layers.0.mlp.gate", len(norms))
     assert np.corrcoef(norms, hot)[0, 1] > 0.9 and norms.max() / norms.min() > 1.5
 
 

@@ -33,19 +33,18 @@ The MTP head is not run.
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import _BaseCache, make_prompt_cache  # _BaseCache: every mlx-lm cache's base
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..checkpoint.safetensors import read_checkpoint_headers
 from ..errors import CheckpointError, UnsupportedModelError
-from ..decode.greedy import top2_margin
+from ..decode.greedy import greedy_generate, greedy_steps
 from ..runtime.patch import call_through
+from .layerwise_parts import LayerwiseStats, Part, direct_arrays, one_line
 
 #: The model_types whose layerwise greedy ids and logits were checked equal (bit for bit) to mlx-lm's
 #: in-memory greedy decoding, with no weight materialized outside its part: the project's target (qwen3_next,
@@ -71,118 +70,6 @@ PREFILL_CHUNK = 256
 _WRAPPED_METHODS = ("__call__", "as_linear")
 
 
-@dataclass
-class LayerwiseStats:
-    """What the oracle read and held. Byte counts are of parameters (the checkpoint's tensors)."""
-
-    model_bytes: int = 0
-    #: bytes of each part's weights, by its path in the model (``model.layers.3``, ``lm_head``, ...)
-    part_bytes: Dict[str, int] = field(default_factory=dict)
-    #: the most parameter bytes materialized at once (counted as parts are loaded and dropped)
-    max_materialized_bytes: int = 0
-    #: the most ``mx.get_active_memory()`` seen while a part was loaded (all of the process's MLX arrays)
-    max_active_bytes: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    part_loads: int = 0
-    forwards: int = 0
-
-    @property
-    def largest_part_bytes(self) -> int:
-        return max(self.part_bytes.values(), default=0)
-
-
-class _Part:
-    """One part: where its parameters sit in mlx-lm's module tree, their placeholders, where they lie on disk."""
-
-    def __init__(self, oracle: "LayerwiseOracle", name: str):
-        self.oracle, self.name = oracle, name
-        self.slots: List[Tuple[object, object]] = []  # (container: module dict or list, key)
-        self.placeholders: List[mx.array] = []
-        self.names: List[str] = []  # each slot's tensor name in the checkpoint
-        self.by_file: Dict[Path, List[Tuple[int, str]]] = {}
-        self.nbytes = 0
-        self.depth = 0
-
-    def add(self, container, key, array: mx.array, info) -> None:
-        self.by_file.setdefault(info.path, []).append((len(self.slots), info.name))
-        self.slots.append((container, key))
-        self.placeholders.append(array)
-        self.names.append(info.name)
-        self.nbytes += array.nbytes
-
-    def load(self) -> None:
-        self.depth += 1
-        if self.depth > 1:
-            return
-        stats, start = self.oracle.stats, time.perf_counter()
-        try:
-            fresh = []
-            for file, entries in self.by_file.items():
-                stored = mx.load(str(file))  # lazy: only the tensors evaluated below are read
-                fresh.extend((slot, stored[name]) for slot, name in entries)
-                del stored
-            for slot, array in fresh:
-                container, key = self.slots[slot]
-                container[key] = array
-            mx.eval([array for _, array in fresh])
-        except Exception as exc:
-            self._restore()
-            self.depth -= 1
-            raise CheckpointError(f"{self.oracle.path}: reading the weights of {self.name} failed: {_one_line(exc)}") from exc
-        stats.read_seconds += time.perf_counter() - start
-        stats.bytes_read += self.nbytes
-        stats.part_loads += 1
-        self.oracle._materialized += self.nbytes
-        stats.max_materialized_bytes = max(stats.max_materialized_bytes, self.oracle._materialized)
-
-    def _restore(self) -> None:
-        for (container, key), placeholder in zip(self.slots, self.placeholders):
-            container[key] = placeholder
-
-    def drop(self) -> None:
-        self.depth -= 1
-        if self.depth > 0:
-            return
-        self._restore()
-        self.oracle._materialized -= self.nbytes
-
-    def run(self, method, module, args, kwargs):
-        self.load()
-        try:
-            out = method(module, *args, **kwargs)
-            arrays = [a for _, a in tree_flatten(out) if isinstance(a, mx.array)]
-            for value in (*args, *kwargs.values()):
-                arrays.extend(_cache_arrays(value))
-            mx.eval(arrays)
-            stats = self.oracle.stats
-            stats.max_active_bytes = max(stats.max_active_bytes, mx.get_active_memory())
-        finally:
-            self.drop()
-        return out
-
-
-def _cache_arrays(value) -> List[mx.array]:
-    """The arrays an mlx-lm cache object (or a list of them) holds, so that a part leaves its state evaluated."""
-    if isinstance(value, (list, tuple)):
-        return [a for v in value for a in _cache_arrays(v)]
-    if not isinstance(value, _BaseCache):
-        return []
-    found = []
-    for v in vars(value).values():
-        if isinstance(v, mx.array):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(a for a in v if isinstance(a, mx.array))
-            found.extend(_cache_arrays([c for c in v if isinstance(c, _BaseCache)]))
-    return found
-
-
-def _one_line(exc: Exception, limit: int = 300) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
 class LayerwiseOracle:
     """mlx-lm's model of the checkpoint at ``path``, computed part by part from disk (see the module's doc)."""
 
@@ -198,7 +85,7 @@ class LayerwiseOracle:
             config = json.loads(config_path.read_text())
             model_type = config["model_type"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{config_path}: no model_type ({_one_line(exc)})") from None
+            raise CheckpointError(f"{config_path}: no model_type ({one_line(exc)})") from None
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"{path}: the layerwise oracle does not support model_type {model_type!r} "
@@ -209,7 +96,7 @@ class LayerwiseOracle:
             model, _ = load_model(path, lazy=True)  # every parameter a lazy load: nothing read yet
         except (ValueError, FileNotFoundError, KeyError) as exc:
             raise CheckpointError(
-                f"{path}: mlx-lm cannot build its {model_type} model from this checkpoint: {_one_line(exc)}") from None
+                f"{path}: mlx-lm cannot build its {model_type} model from this checkpoint: {one_line(exc)}") from None
         self.path, self.model_type, self.model = path, model_type, model
         self.stats = LayerwiseStats()
         self._materialized = 0
@@ -218,18 +105,18 @@ class LayerwiseOracle:
 
         module_paths = {id(m): name for name, m in model.named_modules()}
         layer_names = [module_paths[id(layer)] for layer in model.layers]
-        parts: Dict[str, _Part] = {}
+        parts: Dict[str, Part] = {}
         owners: Dict[str, nn.Module] = {}
         covered = set()
         for name, module in model.named_modules():
             in_layer = next((ln for ln in layer_names if name == ln or name.startswith(ln + ".")), None)
-            for key, container, slot, array in _direct_arrays(module):
+            for key, container, slot, array in direct_arrays(module):
                 full = f"{name}.{key}" if name else key
                 if full not in params:  # a private array (rope frequencies...), not a weight
                     continue
                 part_name = in_layer if in_layer is not None else name
                 if part_name not in parts:
-                    parts[part_name] = _Part(self, part_name)
+                    parts[part_name] = Part(self, part_name)
                     owners[part_name] = module if in_layer is None else next(
                         layer for layer in model.layers if module_paths[id(layer)] == in_layer)
                 parts[part_name].add(container, slot, array, tensors[full])
@@ -278,47 +165,15 @@ class LayerwiseOracle:
 
     def steps(self, prompt_ids: Sequence[int], max_tokens: int,
               prefill_chunk: int = PREFILL_CHUNK) -> Iterator[Tuple[int, mx.array]]:
-        """Yield ``(greedy id, the logits it was taken from)`` for ``max_tokens`` steps after the prompt."""
-        if not prompt_ids:
-            raise ValueError("the prompt must hold at least one token")
-        cache = self.make_cache()
-        for start in range(0, len(prompt_ids), prefill_chunk):
-            logits = self(mx.array([list(prompt_ids[start:start + prefill_chunk])]), cache=cache)
-        logits = logits[0, -1]
-        for step in range(max_tokens):
-            token = int(mx.argmax(logits))
-            yield token, logits
-            if step + 1 < max_tokens:
-                logits = self(mx.array([[token]]), cache=cache)[0, -1]
+        """Yield ``(greedy id, the logits it was taken from)`` for ``max_tokens`` steps after the prompt: the
+        in-memory oracle's loop (``decode.greedy.greedy_steps``) on this model."""
+        return greedy_steps(self, prompt_ids, max_tokens, prefill_chunk)
 
     def greedy(self, prompt_ids: Sequence[int], max_tokens: int,
                prefill_chunk: int = PREFILL_CHUNK) -> Tuple[List[int], List[tuple]]:
         """(greedy ids, each step's ``top2_margin``: (top-1 id, top-2 id, top-1 minus top-2 logit, top-1 logit))."""
-        ids, margins = [], []
-        for token, logits in self.steps(prompt_ids, max_tokens, prefill_chunk):
-            ids.append(token)
-            margins.append(top2_margin(logits))
-        return ids, margins
-
-
-def _direct_arrays(module):
-    """(dotted key relative to ``module``, the dict or list holding it, its key or index there, the array) for
-    each array ``module`` holds itself (directly or in plain lists / dicts), not through a child module."""
-    import mlx.nn as nn
-
-    def walk(container, prefix, items):
-        for key, value in items:
-            dotted = f"{prefix}{key}"
-            if isinstance(value, mx.array):
-                yield dotted, container, key, value
-            elif isinstance(value, nn.Module):
-                continue
-            elif isinstance(value, dict):
-                yield from walk(value, dotted + ".", value.items())
-            elif isinstance(value, list):
-                yield from walk(value, dotted + ".", enumerate(value))
-
-    yield from walk(module, "", module.items())
+        margins = []
+        return greedy_generate(self, prompt_ids, max_tokens, prefill_chunk, margins=margins), margins
 
 
 def greedy(path, prompt_ids: Sequence[int], max_tokens: int) -> Tuple[List[int], List[tuple]]:

@@ -91,7 +91,7 @@ _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q
 def preset_config(preset: str, vocab_size: Optional[int] = None, layers: Optional[int] = None) -> dict:
     """config.json (before quantization) of ``preset``, with ``layers`` decoder layers instead of its own;
     ``layers`` below ``full_attention_interval`` (4) is refused: mlx-lm's model needs a full-attention layer."""
-    from .synth_stream import QWEN3_NEXT_80B, sized_config
+    from .synth_plan import QWEN3_NEXT_80B, sized_config
 
     if preset not in PRESET_NAMES:
         raise ConfigError(f"preset must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
@@ -220,7 +220,7 @@ def _started(out_dir: Path, preset: str, layers: Optional[int]) -> None:
 
 
 def _hf_bytes(config: dict) -> int:
-    from .synth_stream import plan_checkpoint
+    from .synth_plan import plan_checkpoint
 
     plan = plan_checkpoint(config)
     return sum(int(np.prod(s.shape)) * 32 // s.bits * 2 if s.bits and s.name.endswith(".weight") else
@@ -228,7 +228,8 @@ def _hf_bytes(config: dict) -> int:
 
 
 def _synth_streamed(out_dir: Path, preset: str, config: dict, seed: int) -> Path:
-    from .synth_stream import plan_checkpoint, say, write_checkpoint
+    from .synth_plan import plan_checkpoint
+    from .synth_stream import say, write_checkpoint
 
     with fresh_folder(out_dir, "synth") as partial:
         size = plan_checkpoint(config).total_bytes

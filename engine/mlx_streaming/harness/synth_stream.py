@@ -1,20 +1,11 @@
 """Qwen3-Next-80B-A3B at full size, written as a stream: ``synth --preset qwen3-next-80b``.
 
-The published config (``QWEN3_NEXT_80B``) in the public 4-bit MLX layout (what ``mlx_lm.convert -q`` writes:
-4-bit group-64 affine, the 8-bit ``mlp.gate`` / ``shared_expert_gate`` of the model's ``quant_predicate``,
-shards of at most 5 GB named and indexed as ``mlx_lm.utils.save_model`` names them), about 45 GB, written
-on a machine with less memory than that. Nothing is quantized: the packed 4-bit (8-bit) words are drawn
-uniformly and their scales and biases chosen so each weight dequantizes to zero mean and the standard
-deviation the smaller presets give (``1 / sqrt(fan_in)``, embeddings 1, router rows ``4 / sqrt(fan_in)``
-times an expert's popularity). Every tensor is written in blocks of at most ``BLOCK_BYTES`` along its first
-axis, each block drawn from a seed derived from (seed, tensor name, block), straight into a safetensors file
-whose header was written first: memory stays at a few blocks whatever the checkpoint's size, the same seed
-gives byte-identical files, and a layer's bytes do not depend on how many layers are written (``--layers``).
-
-The names, shapes and dtypes come from mlx-lm's own classes (``Model`` and the project's ``MTPHead``, built
-lazily so nothing is allocated, then ``nn.quantize``-d by the plan the converter uses), so the files are what
-``mlx_lm.load`` expects. Routing is not uniform: each MoE router row (one expert) is scaled by a popularity
-drawn once per layer (``popularity``), so some experts are hot, as after training.
+The published config in the public 4-bit MLX layout (what ``mlx_lm.convert -q`` writes: 4-bit group-64 affine,
+the 8-bit ``mlp.gate`` / ``shared_expert_gate`` of the model's ``quant_predicate``, shards of at most 5 GB named
+and indexed as ``mlx_lm.utils.save_model`` names them), about 45 GB, written on a machine with less memory than
+that. What is written is planned first (``synth_plan``); each tensor's values are generated in blocks of at most
+``synth_values.BLOCK_BYTES`` along its first axis (``synth_values``), straight into a safetensors file whose
+header was written first: memory stays at a few blocks whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -23,243 +14,15 @@ import json
 import struct
 import sys
 import time
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from ..checkpoint.tokenizer_files import write_byte_tokenizer
-from ..errors import ConfigError
-
-#: Qwen3-Next-80B-A3B's published config.json (Qwen/Qwen3-Next-80B-A3B-Instruct), beyond ``synth.BASE_CONFIG``.
-QWEN3_NEXT_80B = dict(
-    hidden_size=2048, num_hidden_layers=48, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, intermediate_size=5120, num_attention_heads=16, num_key_value_heads=2,
-    head_dim=256, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=151936, rope_theta=10000000,
-    partial_rotary_factor=0.25, max_position_embeddings=262144, norm_topk_prob=True, mtp_num_hidden_layers=1,
-    # published entries mlx-lm does not read
-    bos_token_id=151643, eos_token_id=151645, initializer_range=0.02, output_router_logits=False,
-    router_aux_loss_coef=0.001, use_cache=True, use_sliding_window=False, mtp_use_dedicated_embeddings=False,
-)
-
-#: mlx_lm.utils.MAX_FILE_SIZE_GB: the converter starts a new shard before one would pass 5 GiB.
-SHARD_BYTES = 5 << 30
-#: The most bytes of one tensor generated at once (rows of its first axis; one expert never straddles blocks).
-BLOCK_BYTES = 4 << 20
-GROUP_SIZE = 64
-#: Router rows: std ``ROUTER_GAIN / sqrt(hidden)`` (as the smaller presets), times a popularity per expert.
-ROUTER_GAIN = 4.0
-#: Spread of the experts' popularity: ``exp(POPULARITY_SIGMA * N(0, 1))``, drawn per router.
-POPULARITY_SIGMA = 0.25
-#: Norm weights as the MLX layout holds them (``1 + w``): ``1 + NORM_STD * N(0, 1)``.
-NORM_STD = 0.1
-
-_NORMS = ("layernorm.weight", "norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
-
-
-def sized_config(sizes: dict, layers: Optional[int] = None) -> dict:
-    """The full config.json (before quantization) for ``sizes``, with ``layers`` decoder layers."""
-    from .synth import BASE_CONFIG
-
-    config = {**BASE_CONFIG, **sizes}
-    if layers is not None:
-        config["num_hidden_layers"] = layers
-    n = config["num_hidden_layers"]
-    interval = config["full_attention_interval"]
-    if n < interval:
-        raise ConfigError(f"--layers {n}: Qwen3-Next needs at least {interval} layers (every {interval}th layer is "
-                          f"full attention, and mlx-lm's qwen3_next model needs one)")
-    config["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-    return config
-
-
-# ----------------------------------------------------------------------------- what is written
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of the MLX layout: ``dtype`` U32 (packed) or BF16; ``bits`` of its module when quantized."""
-
-    name: str
-    dtype: str
-    shape: tuple
-    bits: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * (4 if self.dtype == "U32" else 2)
-
-    @property
-    def is_expert(self) -> bool:
-        return ".switch_mlp." in self.name
-
-
-@dataclass
-class StreamPlan:
-    """Every file and its tensors in write order, decided before any byte is written."""
-
-    config: dict  #: config.json as written (with its quantization block)
-    files: Dict[str, List[TensorSpec]] = field(default_factory=dict)  #: shards in order, then mtp.safetensors
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.nbytes for specs in self.files.values() for s in specs)
-
-    @property
-    def shards(self) -> List[str]:
-        return [name for name in self.files if name.startswith("model")]
-
-    def tensor(self, name: str) -> TensorSpec:
-        return next(s for specs in self.files.values() for s in specs if s.name == name)
-
-
-def _specs(module, plan: Dict[str, dict], prefix: str) -> List[TensorSpec]:
-    """The quantized layout of ``module`` (lazy: nothing is allocated) under ``plan``, as ``TensorSpec``s."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    nn.quantize(module, class_predicate=lambda p, m: plan.get(p, False))
-    specs = []
-    for name, value in tree_flatten(module.parameters()):
-        base, _, part = name.rpartition(".")
-        bits = plan[base]["bits"] if base in plan and part in ("weight", "scales", "biases") else 0
-        specs.append(TensorSpec(prefix + name, "U32" if value.dtype == mx.uint32 else "BF16", tuple(value.shape), bits))
-    return specs
-
-
-def plan_checkpoint(config: dict, shard_bytes: int = SHARD_BYTES) -> StreamPlan:
-    """The files ``write_checkpoint`` writes for ``config`` (from ``sized_config``): names, shapes, dtypes, bytes.
-
-    Nothing is allocated: mlx-lm's ``Model`` and the ``MTPHead`` are built lazily, only their shapes are read.
-    """
-    from mlx_lm.models.qwen3_next import Model, ModelArgs
-
-    from ..checkpoint.mtp_extract import MTP_FILE
-    from ..checkpoint.quantize import BITS, quant_plan, quantization_block
-    from ..mtp.head import MTPHead
-
-    args = ModelArgs.from_dict(config)
-    model = Model(args)
-    plan = quant_plan(model, model.quant_predicate)
-    main = _specs(model, plan, "")
-    predicate = model.quant_predicate
-
-    def with_bits(path, module):  # as checkpoint.mtp_extract.convert_mtp quantizes the head
-        choice = predicate(path, module)
-        return choice if isinstance(choice, dict) else {"group_size": GROUP_SIZE, "bits": BITS}
-
-    head = MTPHead(args)
-    mtp = _specs(head, quant_plan(head, with_bits), "mtp.")
-
-    # mlx_lm.utils.make_shards, then save_model's names
-    groups: List[List[TensorSpec]] = []
-    size = 0
-    for spec in main:
-        if not groups or size + spec.nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(spec)
-        size += spec.nbytes
-    n = len(groups)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors" for i in range(n)]
-    block = quantization_block(plan)
-    written = {**config, "quantization": block, "quantization_config": block}
-    return StreamPlan(written, {**dict(zip(names, groups)), MTP_FILE: mtp})
-
-
-# ----------------------------------------------------------------------------- values
-
-
-def _rng(seed: int, name: str, block: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode()), block])))
-
-
-def _raw(rng: np.random.Generator, n: int, dtype) -> np.ndarray:
-    """``n`` uniformly random values of unsigned ``dtype``, straight from the bit generator (GB/s)."""
-    words = -(-n * np.dtype(dtype).itemsize // 8)
-    return rng.bit_generator.random_raw(words).view(dtype)[:n]
-
-
-def to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), rounding to nearest even, as ``astype(mx.bfloat16)`` does."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
-
-
-def from_bf16(b: np.ndarray) -> np.ndarray:
-    return (b.astype(np.uint32) << 16).view(np.float32)
-
-
-def popularity(seed: int, router: str, experts: int) -> np.ndarray:
-    """Each expert's router-row scale (lognormal): the hot experts of one layer."""
-    rng = _rng(seed, router + ":popularity", 0)
-    return np.exp(rng.standard_normal(experts, dtype=np.float32) * np.float32(POPULARITY_SIGMA))
-
-
-def _quant_std(base: str, fan_in: int) -> float:
-    if base.endswith("embed_tokens"):
-        return 1.0
-    if base.endswith("mlp.gate"):
-        return ROUTER_GAIN / np.sqrt(fan_in)
-    return 1.0 / np.sqrt(fan_in)
-
-
-def _plain(name: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
-    """float32 values of a tensor the converter leaves unquantized (norms, DeltaNet parameters, conv)."""
-    normal = lambda std: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)  # noqa: E731
-    if name.endswith(_NORMS):
-        return 1 + normal(NORM_STD)
-    if name.endswith("A_log"):
-        return np.log(rng.uniform(1, 16, shape)).astype(np.float32)
-    if name.endswith("dt_bias"):
-        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
-    if name.endswith("conv1d.weight"):  # (channels, kernel, 1): the original layout's fan-in is the kernel
-        return normal(1.0 / np.sqrt(shape[1]))
-    return normal(1.0 / np.sqrt(shape[-1]))
-
-
-def _scales(spec: TensorSpec, seed: int, block: int, r0: int, shape: tuple) -> np.ndarray:
-    """float32 scales of rows ``r0:r0 + shape[0]`` of ``spec`` (a ``.scales`` tensor, or a ``.biases`` one's)."""
-    base = spec.name.rpartition(".")[0]
-    levels = 1 << spec.bits
-    q_std = np.sqrt((levels * levels - 1) / 12.0)  # of a uniform 0..levels-1
-    rng = _rng(seed, base + ".scales", block)
-    jitter = _raw(rng, int(np.prod(shape)), np.uint16).reshape(shape).astype(np.float32)
-    scales = jitter * np.float32(0.2 / 65535) + np.float32(0.9)  # +-10% from group to group
-    scales *= np.float32(_quant_std(base, spec.shape[-1] * GROUP_SIZE) / q_std)
-    if base.endswith("mlp.gate"):
-        hot = popularity(seed, base, spec.shape[0])[r0:r0 + shape[0]]
-        scales *= hot.reshape((-1,) + (1,) * (len(shape) - 1))
-    return scales
-
-
-def tensor_blocks(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:
-    """The bytes of ``spec`` as arrays (uint32 words, or uint16 bfloat16 bits) of whole rows of its first
-    axis, at most ``BLOCK_BYTES`` (or one row) each; block ``b`` is drawn from seed (seed, name, b)."""
-    if not spec.shape:
-        yield to_bf16(_plain(spec.name, (), _rng(seed, spec.name, 0)))
-        return
-    rows = spec.shape[0]
-    unit = max(1, BLOCK_BYTES // (spec.nbytes // rows))
-    part = spec.name.rpartition(".")[2]
-    for block, r0 in enumerate(range(0, rows, unit)):
-        shape = (min(rows, r0 + unit) - r0,) + tuple(spec.shape[1:])
-        if spec.bits and part == "weight":
-            yield _raw(_rng(seed, spec.name, block), int(np.prod(shape)), np.uint32).reshape(shape)
-        elif spec.bits and part == "scales":
-            yield to_bf16(_scales(spec, seed, block, r0, shape))
-        elif spec.bits and part == "biases":  # zero mean: bias = -(levels - 1) / 2 * scale, of the scale as stored
-            mid = np.float32(((1 << spec.bits) - 1) / 2)
-            yield to_bf16(-mid * from_bf16(to_bf16(_scales(spec, seed, block, r0, shape))))
-        else:
-            yield to_bf16(_plain(spec.name, shape, _rng(seed, spec.name, block)))
-
-
-# ----------------------------------------------------------------------------- files
+from .synth_plan import SHARD_BYTES, StreamPlan, TensorSpec, plan_checkpoint
+from .synth_values import tensor_blocks
 
 
 def safetensors_header(specs: List[TensorSpec], metadata: dict) -> Tuple[bytes, Dict[str, int]]:
