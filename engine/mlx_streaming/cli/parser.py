@@ -18,15 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="greedy generation with streamed experts",
+    p = _command(sub, "generate", cmd_generate, help="greedy generation with streamed experts",
                        description="Greedy generation with streamed experts; text on stdout, pool and counters on stderr.")
     _add_model_options(p)
     _add_generation_options(p)
     p.add_argument("--record-trace", metavar="FILE",
                    help="write which experts each MoE layer call routed to (prompt and decode), for plan --trace")
-    p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("plan", help="the memory plan (dense weights, pool, head, staging, margin), nothing loaded",
+    p = _command(sub, "plan", cmd_plan, help="the memory plan (dense weights, pool, head, staging, margin), nothing loaded",
                        description="What a streaming model of these options will hold, from the checkpoint's headers "
                                    "alone: every command that builds a model prints it before loading.")
     _add_model_options(p)
@@ -37,9 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pin-hot", type=int, metavar="N", help="pin each layer's N most routed experts of the trace")
     g.add_argument("--json", metavar="FILE", help="write the curve here")
     g.add_argument("--plot", metavar="FILE.png", help="draw the curve into this PNG (needs the plot extra: matplotlib)")
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("bench", help="streaming vs mlx-lm's in-memory model: tok/s, hit rate, bytes read, memory",
+    p = _command(sub, "bench", cmd_bench, help="streaming vs mlx-lm's in-memory model: tok/s, hit rate, bytes read, memory",
                        description="By default: the model streamed from disk through a bounded pool (--pool-fraction "
                                    f"{BENCH_DEFAULTS['pool_fraction']} with --io-mode {BENCH_DEFAULTS['io_mode']} "
                                    "unless a pool size or io mode is given), greedy and MTP speculative decoding, "
@@ -83,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how often the perf gate catches planted 5/10/20%% slowdowns and fails an unchanged "
                             "tree, quiet and beside two busy loops (about 25 minutes here; --json FILE keeps the "
                             "recorded rounds)")
+    modes.add_argument("--processes", type=int, metavar="N",
+                       help="noise floor: run the default benchmark in N fresh processes, report the spread")
     modes.add_argument("--gate-power-replay", metavar="FILE",
                        help="the power study's simulated gate runs again, under the current rule, on the rounds a "
                             "--gate-power --json FILE run recorded (nothing measured)")
-    modes.add_argument("--processes", type=int, metavar="N",
-                       help="noise floor: run the default benchmark in N fresh processes, report the spread")
     reports.add_argument("--gate-power-base", metavar="REV",
                          help="with --gate-power: study the side-by-side gate instead: git revision REV's engine "
                               "(exported and built apart) in rounds alternating with this tree's, planted 10%% and "
@@ -96,26 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --gate-power-replay: judge the recorded pools against this baseline the perf "
                               "suite saved (baselines/<machine>/NNNN_baseline.json) instead of the study's own "
                               "baseline pool")
-    p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("chat", help="chat interactively, answers streamed as they come, with mlx-lm's sampler",
+    p = _command(sub, "chat", cmd_chat, help="chat interactively, answers streamed as they come, with mlx-lm's sampler",
                        description="Chat on a streaming model through mlx-lm's stream_generate. Ctrl-C ends the answer; "
                                    "Ctrl-D ends the session.")
     _add_model_options(p)
     _add_sampling_options(p, 256)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (mlx-lm's) on a streaming model",
+    p = _command(sub, "serve", cmd_serve, help="an OpenAI-compatible HTTP server (mlx-lm's) on a streaming model",
                        description="mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
                                    "/v1/models, streaming) on a streaming model built with the options below.")
     _add_model_options(p)
     _add_sampling_options(p, 512)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
-    p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("evaluate", help="a trained model against its training report: held-out loss, MTP acceptance",
+    p = _command(sub, "evaluate", cmd_evaluate, help="a trained model against its training report: held-out loss, MTP acceptance",
                        description="Held-out loss and MTP acceptance of a trained model (the default one unless "
                                    "--model), against the figures of its training run.")
     _add_model_options(p)
@@ -123,9 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance measurement (default 16)")
     p.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt (default 96)")
     p.add_argument("--json", metavar="FILE", help="write the result here")
-    p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("synth", help="write a synthetic checkpoint (Qwen3-Next presets, or any supported --arch)",
+    p = _command(sub, "synth", cmd_synth, help="write a synthetic checkpoint (Qwen3-Next presets, or any supported --arch)",
                        description="Write a synthetic checkpoint (random weights, real layout). --out must be a new or "
                                    "empty folder, or one synth wrote before (then it is replaced).")
     p.add_argument("--preset", default="tiny", choices=("tiny", "small", "medium", "qwen3-next-80b"),
@@ -142,16 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", metavar="NAME",
                    help="instead of a Qwen3-Next preset, a tiny checkpoint of this mlx-lm MoE architecture "
                         "(model_type, e.g. mixtral, deepseek_v3), written by mlx-lm's own classes and save code")
-    p.set_defaults(func=cmd_synth)
 
-    p = sub.add_parser("repack", help="write the experts in the packed layout (one aligned record per expert)",
+    p = _command(sub, "repack", cmd_repack, help="write the experts in the packed layout (one aligned record per expert)",
                        description="Write the experts in the packed layout, then read them with --packed DIR. --out "
                                    "must be a new or empty folder, or one repack wrote before.")
     p.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the embedded default model)")
     p.add_argument("--out", type=Path, metavar="DIR", required=True, help="the folder to write")
-    p.set_defaults(func=cmd_repack)
 
-    p = sub.add_parser("checksum", help="write the checksum manifest --verify checks experts against",
+    p = _command(sub, "checksum", cmd_checksum, help="write the checksum manifest --verify checks experts against",
                        description="Checksum every expert of a checkpoint made elsewhere (e.g. by mlx_lm.convert) "
                                    "into expert-checksums.json beside its files; --verify then checks every expert "
                                    "placed into the pool against it. synth, repack and extract-mtp write one already.")
@@ -159,9 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--packed", dest="packed_dir", metavar="DIR", type=Path, help="also checksum this packed layout")
     p.add_argument("--replace", action="store_true",
                    help="take new checksums from the files as they are now, over an existing manifest")
-    p.set_defaults(func=cmd_checksum)
 
-    p = sub.add_parser("extract-mtp", help="pull mtp.* out of an original-layout checkpoint",
+    p = _command(sub, "extract-mtp", cmd_extract_mtp, help="pull mtp.* out of an original-layout checkpoint",
                        description="Convert the MTP head of an original-layout (Hugging Face) checkpoint, which "
                                    "mlx_lm.convert drops, into the file --mtp reads (mtp.safetensors).")
     p.add_argument("--hf", type=Path, metavar="DIR", required=True, help="the original-layout checkpoint folder")
@@ -170,16 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 6, 8), help="expert and projection bits (default 4)")
     p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="quantization group size, as mlx_lm.convert's option of that name (default 64)")
-    p.set_defaults(func=cmd_extract_mtp)
 
-    p = sub.add_parser("limit", help="run a command under a hard memory limit and say its peak memory",
+    p = _command(sub, "limit", cmd_limit, help="run a command under a hard memory limit and say its peak memory",
                        description="Run COMMAND in a memory cgroup of --memory bytes (Linux; root or a delegated "
                                    "cgroup): the kernel kills it if it grows past the limit. Then say its peak "
                                    "memory (the cgroup's maximum usage) and exit with its exit status. Example: "
                                    "mlx-streaming limit --memory 4G -- pytest -m exact --streaming-model DIR")
     p.add_argument("--memory", type=_size, metavar="SIZE", required=True, help="the limit, e.g. 4G")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the command and its arguments")
-    p.set_defaults(func=cmd_limit)
     return parser
 
 
+
+
+def _command(sub, name: str, func, **texts) -> argparse.ArgumentParser:
+    """The subcommand ``name`` (its ``help`` and ``description``), run by ``func``."""
+    p = sub.add_parser(name, **texts)
+    p.set_defaults(func=func)
+    return p

@@ -38,13 +38,13 @@ PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", 
 class SpecStats:
     commit_mode: str
     k: Union[int, str]
-    tokens: int = 0
-    steps: int = 0
-    accepted: int = 0
-    full_accepts: int = 0
-    direct_commits: int = 0
-    fallback_replays: int = 0
-    replayed_tokens: int = 0
+    tokens: int = 0  #: tokens produced (the prefill's first one included)
+    steps: int = 0  #: verify forwards
+    accepted: int = 0  #: drafts accepted, over every step
+    full_accepts: int = 0  #: steps whose every draft was accepted
+    direct_commits: int = 0  #: partial accepts committed by installing a captured state (direct mode)
+    fallback_replays: int = 0  #: partial accepts committed by restoring a snapshot and replaying (replay mode)
+    replayed_tokens: int = 0  #: tokens those replays ran again
     accept_hist: List[int] = field(default_factory=list)
     k_hist: List[int] = field(default_factory=list)  #: K of every step (they differ with "auto")
     times: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
