@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from mlx_streaming.run_settings import RunSettings
+
 MEASURE = """
 import json, sys
 import mlx.core as mx
@@ -79,7 +81,7 @@ def test_bench_overhead_splits_each_token_and_counts_one_sync_per_warm_deferred_
     from mlx_streaming.config import StreamingConfig
     from mlx_streaming.harness import bench
 
-    report = bench.overhead_report(model_dir, StreamingConfig(max_tokens=6, warmup_tokens=24, repeat=1))
+    report = bench.overhead_report(model_dir, StreamingConfig(), RunSettings(max_tokens=6, warmup_tokens=24, repeat=1))
     rows = {(r["path"], r["miss_check"]): r for r in report["rows"]}
     assert all(r["ids_match"] for r in report["rows"])
     layer, token = rows["streaming greedy", "layer"], rows["streaming greedy", "forward"]
@@ -110,7 +112,7 @@ def test_bench_k_report_compares_auto_with_every_fixed_k(model_dir):
     from mlx_streaming.config import StreamingConfig
     from mlx_streaming.harness import bench
 
-    report = bench.k_report(model_dir, StreamingConfig(pool_slots=12, max_tokens=8, warmup_tokens=2, repeat=1))
+    report = bench.k_report(model_dir, StreamingConfig(pool_slots=12), RunSettings(max_tokens=8, warmup_tokens=2, repeat=1))
     assert set(report["tok_s"]) == {"1", "2", "3", "4", "auto"} and report["ids_equal_greedy"]
     fixed = {k: v["median"] for k, v in report["tok_s"].items() if k != "auto"}
     assert str(report["best_fixed"]) == max(fixed, key=fixed.get)
@@ -123,8 +125,8 @@ def test_bench_prefetch_auto_report_compares_auto_with_on_and_off(model_dir):
     from mlx_streaming.config import StreamingConfig
     from mlx_streaming.harness import bench
 
-    report = bench.prefetch_auto_report(model_dir, StreamingConfig(pool_slots=12, max_tokens=8, warmup_tokens=2,
-                                                                   repeat=1))
+    report = bench.prefetch_auto_report(model_dir, StreamingConfig(pool_slots=12),
+                                        RunSettings(max_tokens=8, warmup_tokens=2, repeat=1))
     assert set(report["tok_s"]) == {"off", "on", "auto"} and report["ids_identical"]
     assert report["best_fixed"] in ("off", "on")
     assert "auto / best fixed" in bench.auto_table(report, "prefetch")
@@ -163,7 +165,7 @@ def test_a_setting_from_the_environment_is_named_on_stderr(monkeypatch, capsys):
     monkeypatch.setenv("K", "7")
     args = cli.build_parser().parse_args(["bench", "--max-tokens", "4"])
     args.flags = cli._flags(cli.build_parser(), "bench")
-    assert cli._config(args).k == 3 and cli._config(args).max_tokens == 4
+    assert cli._run(args).k == 3 and cli._run(args).max_tokens == 4 and cli._config(args).prefill_chunk == 256
     assert capsys.readouterr().err.splitlines() == ["mlx-streaming: MLX_STREAMING_K=3 from the environment"]
     monkeypatch.setenv("MLX_STREAMING_K", "many")
     assert cli.main(["plan"]) == 2

@@ -68,9 +68,10 @@ def test_raw_read_probe_reads_one_expert_per_call(model_dir, packed_dir):
 
 def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     from mlx_streaming.harness.bench import io_report, io_table
+    from mlx_streaming.run_settings import RunSettings
 
-    report = io_report(model_dir, StreamingConfig(pool_slots=6, io_mode="direct", max_tokens=4, warmup_tokens=0,
-                                                   repeat=1))
+    report = io_report(model_dir, StreamingConfig(pool_slots=6, io_mode="direct"),
+                       RunSettings(max_tokens=4, warmup_tokens=0, repeat=1))
     cells = report["ceiling"]["cells"]
     assert {(c["batch"], c["threads"]) for c in cells} == {(b, t) for b in (1, 4, 16) for t in (1, 2, 4, 8)}
     assert report["ceiling"]["best"]["gbps"] == max(c["gbps"] for c in cells) > 0

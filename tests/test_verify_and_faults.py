@@ -26,7 +26,9 @@ def test_every_placed_expert_matches_disk(model_dir, reference_model, prompt_ids
 
 
 def test_verification_env_name_turns_it_on():
-    assert StreamingConfig.from_env({"STG_VERIFY": "1"}).verify and not StreamingConfig.from_env({}).verify
+    from mlx_streaming.cli.environment import settings
+
+    assert settings({"STG_VERIFY": "1"})[0].verify and not settings({})[0].verify
 
 
 def test_a_byte_changed_on_disk_after_indexing_is_caught(tmp_path, model_dir, prompt_ids):

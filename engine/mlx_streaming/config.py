@@ -1,28 +1,23 @@
-"""StreamingConfig: every engine knob in one dataclass.
+"""StreamingConfig: every engine knob in one dataclass (what a run decodes and how often is
+``run_settings.RunSettings``).
 
-CLI flags, pytest options and the environment names of ``ENV_NAMES`` (``MLX_STREAMING_<NAME>``, and
-``STG_VERIFY``) all map onto these fields; code below this module reads the config object, never ``os.environ``.
+CLI flags, pytest options and the environment's ``MLX_STREAMING_`` names (``cli.environment``) map onto these
+fields; code below the CLI reads the config object, never ``os.environ``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Union
+from typing import Optional, Union
 
 from .errors import ConfigError
+from .run_settings import DEFAULT_PROMPT
 
 IO_MODES = ("buffered", "direct")
 #: The knobs that size the expert pool; at most one may be set (none: every expert resident).
 POOL_SIZES = ("pool_slots", "pool_bytes", "memory_budget", "pool_fraction")
-COMMIT_MODES = ("direct", "replay")
 MISS_CHECKS = ("forward", "layer")
-
-#: Tokens per verify (``k``) at most: a verify of K tokens costs about K decode steps, and the MTP head's
-#: acceptance falls with every draft position, so a larger K only burns time (``KChooser`` tries 1 to 4).
-MAX_K = 16
 
 #: Memory kept free for KV caches, activations and temporaries when the pool size is derived from a memory
 #: budget: the pool gets ``budget - dense weights - allowance``. A budget under four times this keeps a quarter.
@@ -56,25 +51,17 @@ class StreamingConfig:
     record: bool = False
     #: Prompt tokens per forward during prefill.
     prefill_chunk: int = 256
-    max_tokens: int = 64
-    prompt: str = "def fibonacci(n):"
     #: Load the MTP head too (its experts stream through the same pool, as one more layer).
     mtp: bool = False
     #: The MTP weights (default: ``mtp.safetensors`` in the model folder).
     mtp_path: Optional[str] = None
-    #: Speculative decoding: tokens per verify (1 + K-1 drafts; 1: none; "auto": chosen while decoding by
-    #: ``mtp.autok.KChooser``) and how Gated-DeltaNet state is committed.
-    k: Union[int, str] = "auto"
-    commit_mode: str = "direct"
     #: Byte-truth verification (STG_VERIFY): check every expert placed into the pool against disk.
     verify: bool = False
-    #: Benchmark: warm-up tokens per path, timed runs per path (medians reported), where to dump the ids.
-    warmup_tokens: int = 8
-    repeat: int = 3
-    dump_ids: Optional[str] = None
-    #: Pin the ``pin_hot`` hottest experts of every layer, found by a calibration run of ``pin_cal_tokens``.
+    #: Pin the ``pin_hot`` hottest experts of every layer, found by a greedy calibration run of ``pin_cal_tokens``
+    #: tokens of ``calibration_prompt`` at build (the commands pass their prompt).
     pin_hot: int = 0
     pin_cal_tokens: int = 32
+    calibration_prompt: str = DEFAULT_PROMPT
     #: Background prefetch of predicted experts: predict from each layer's input the experts of this
     #: layer (``prefetch_ahead`` 0) or the next (1), each token's top ``top_k * prefetch_mult``.
     #: ``"auto"``: on or off, whichever decodes faster, measured while decoding (``prefetch.switch``).
@@ -98,16 +85,12 @@ class StreamingConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not self.prompt:
+        if not self.calibration_prompt:
             raise ConfigError("prompt is empty: give some text to start from")
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
         if self.miss_check not in MISS_CHECKS:
             raise ConfigError(f"miss_check must be one of {', '.join(MISS_CHECKS)}, got {self.miss_check!r}")
-        if self.commit_mode not in COMMIT_MODES:
-            raise ConfigError(f"commit_mode must be one of {', '.join(COMMIT_MODES)}, got {self.commit_mode!r}")
-        if self.k != "auto" and (not isinstance(self.k, int) or not 1 <= self.k <= MAX_K):
-            raise ConfigError(f"k must be auto or 1 to {MAX_K} (tokens per verify), got {self.k!r}")
         sizing = [n for n in POOL_SIZES if getattr(self, n) is not None]
         if len(sizing) > 1:
             given = ", ".join(f"{n}={getattr(self, n)}" for n in sizing)
@@ -118,7 +101,7 @@ class StreamingConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
-        for name in ("prefill_chunk", "max_tokens", "pin_cal_tokens", "repeat"):
+        for name in ("prefill_chunk", "pin_cal_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prefetch not in (True, False, "auto"):
@@ -128,8 +111,7 @@ class StreamingConfig:
         for name in ("prefetch_mult", "prefetch_threads", "staging_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("pin_hot", "memory_allowance", "warmup_tokens", "prefetch_layer_budget",
-                     "prefetch_forward_budget"):
+        for name in ("pin_hot", "memory_allowance", "prefetch_layer_budget", "prefetch_forward_budget"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
 
@@ -140,45 +122,6 @@ class StreamingConfig:
         """This config with the pool sized by ``size`` alone (e.g. ``pool_fraction=0.25``; nothing: every
         expert resident), whatever sized it before."""
         return self.replace(**{**dict.fromkeys(POOL_SIZES), **size})
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ, defaults: Mapping[str, object] = (),
-                 say: Optional[Callable[[str], None]] = None, **overrides) -> "StreamingConfig":
-        """The config of ``overrides`` (``None``: not given), over the environment names of ``ENV_NAMES``, over
-        ``defaults`` (a caller's own defaults; a pool size among them applies only where no pool size is given).
-
-        Every value taken from the environment is named in one line through ``say`` (default: on stderr), so
-        that no setting is silent; an ``MLX_STREAMING_`` name that is no setting is named too, as ignored.
-        Bare names of earlier versions (``K``, ``MAXTOK``, ``PROMPT``...) are not read."""
-        say = say or _stderr
-        given = {k: v for k, v in overrides.items() if v is not None}
-        values = {}
-        for env_name, (field_name, parse) in ENV_NAMES.items():
-            text = environ.get(env_name, "")
-            if text == "":
-                continue
-            try:
-                value = parse(text)
-            except ValueError as exc:
-                raise ConfigError(f"environment variable {env_name}={text!r}: {exc}") from None
-            if field_name in given:
-                say(f"mlx-streaming: {env_name}={text} in the environment is overridden by the command line")
-            else:
-                values[field_name] = value
-                say(f"mlx-streaming: {env_name}={text} from the environment")
-        for env_name in sorted(environ):
-            if env_name.startswith(ENV_PREFIX) and env_name not in ENV_NAMES and env_name not in OTHER_ENV_NAMES:
-                say(f"mlx-streaming: {env_name} in the environment is not a setting, ignored (settings: "
-                    f"{', '.join(ENV_NAMES)})")
-        values.update(given)
-        for name, value in dict(defaults).items():
-            if not any(n in values for n in (POOL_SIZES if name in POOL_SIZES else (name,))):
-                values[name] = value
-        return cls(**values)
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -202,49 +145,3 @@ def format_size(n: int) -> str:
         if abs(n) >= _UNITS[unit]:
             return f"{n / _UNITS[unit]:.{digits}f} {unit}B"
     return f"{n} B"
-
-
-def _flag(text: str) -> bool:
-    return text.strip().lower() not in ("0", "false", "no", "off", "")
-
-
-def _prefetch_env(text: str):
-    return "auto" if text.strip().lower() == "auto" else _flag(text)
-
-
-#: Every environment name read is namespaced, so that a ``K`` or ``PROMPT`` left in a shell changes nothing.
-ENV_PREFIX = "MLX_STREAMING_"
-
-#: Environment name -> (StreamingConfig field, parser). Each is ``ENV_PREFIX`` and the field's name in capitals,
-#: except ``commit_mode``, named after its flag ``--commit-mode`` (``verify`` is the byte check), and
-#: ``STG_VERIFY``, kept as users know it.
-ENV_NAMES = {
-    ENV_PREFIX + "MAX_TOKENS": ("max_tokens", int),
-    ENV_PREFIX + "K": ("k", lambda text: text if text == "auto" else int(text)),
-    ENV_PREFIX + "MTP_PATH": ("mtp_path", str),
-    ENV_PREFIX + "COMMIT_MODE": ("commit_mode", str),
-    ENV_PREFIX + "PROMPT": ("prompt", str),
-    ENV_PREFIX + "POOL_SLOTS": ("pool_slots", int),
-    ENV_PREFIX + "POOL_BYTES": ("pool_bytes", parse_size),
-    ENV_PREFIX + "MEMORY_BUDGET": ("memory_budget", parse_size),
-    ENV_PREFIX + "POOL_FRACTION": ("pool_fraction", float),
-    ENV_PREFIX + "IO_MODE": ("io_mode", str),
-    ENV_PREFIX + "PREFILL_CHUNK": ("prefill_chunk", int),
-    ENV_PREFIX + "PIN_HOT": ("pin_hot", int),
-    ENV_PREFIX + "PIN_CAL_TOKENS": ("pin_cal_tokens", int),
-    ENV_PREFIX + "RECORD": ("record", _flag),
-    ENV_PREFIX + "WARMUP_TOKENS": ("warmup_tokens", int),
-    ENV_PREFIX + "REPEAT": ("repeat", int),
-    ENV_PREFIX + "DUMP_IDS": ("dump_ids", str),
-    ENV_PREFIX + "PREFETCH": ("prefetch", _prefetch_env),
-    ENV_PREFIX + "PREFETCH_AHEAD": ("prefetch_ahead", int),
-    ENV_PREFIX + "PREFETCH_MULT": ("prefetch_mult", int),
-    ENV_PREFIX + "STAGING_BYTES": ("staging_bytes", parse_size),
-    ENV_PREFIX + "MISS_CHECK": ("miss_check", str),
-    ENV_PREFIX + "PRELOAD": ("preload", _flag),
-    "STG_VERIFY": ("verify", _flag),
-}
-
-#: ``MLX_STREAMING_`` names read elsewhere, not settings of this config: the native reader switch
-#: (``io/native.py``) and the perf suite's planted slowdown (``perf/test_perf.py``).
-OTHER_ENV_NAMES = (ENV_PREFIX + "NATIVE", ENV_PREFIX + "PLANT_S")

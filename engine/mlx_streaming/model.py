@@ -210,14 +210,15 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
 
 
 def pin_hot_experts(sm: StreamingModel, n: int, calibration_tokens: int) -> None:
-    """Greedy-decode ``calibration_tokens`` of the config's prompt with recording on, pin each layer's
+    """Greedy-decode ``calibration_tokens`` of the config's calibration prompt with recording on, pin each layer's
     ``n`` hottest experts, and reset the counters so the calibration does not count."""
     from .decode.greedy import greedy_generate
 
     store = sm.store
     recording = store.record
     store.record = True
-    greedy_generate(sm.model, sm.tokenizer.encode(sm.config.prompt), calibration_tokens, sm.config.prefill_chunk)
+    greedy_generate(sm.model, sm.tokenizer.encode(sm.config.calibration_prompt), calibration_tokens,
+                    sm.config.prefill_chunk)
     store.record = recording
     for layer in store.routed.layers():
         store.pin(layer, store.routed.hot(layer, n))

@@ -6,7 +6,7 @@ flag the user typed. Errors end in one line and exit status 2, Ctrl-C in one lin
 Input is checked before any work (``check_input``): every path for its kind (file or folder), every output path
 for a folder it can be written into, every number against what the model and this machine allow, ``serve``'s
 address by binding it; only then is the memory plan printed and the model built. Settings taken from the
-environment (``MLX_STREAMING_<NAME>``, ``config.ENV_NAMES``) are each named in one line on stderr.
+environment (``MLX_STREAMING_<NAME>``, ``environment.ENV_NAMES``) are each named in one line on stderr.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from ..errors import StreamingError
 from .checks import check_against_model, check_config, check_input
 from .commands import BUILDS, _configured, _plan_of
-from .options import _bench_defaults_used, _config, _flag_of, _flags, _say, _with_flags
+from .options import _bench_defaults_used, _config, _flag_of, _flags, _run, _say, _with_flags
 from .parser import build_parser
 
 
@@ -29,10 +29,10 @@ def main(argv=None) -> int:
         args.flags = _flags(parser, args.command)
         check_input(args)
         if _configured(args):
-            config = _config(args)
-            check_config(args, config)
+            config, run = _config(args), _run(args)
+            check_config(args, config, run)
             plan = _plan_of(args)
-            check_against_model(args, config, plan)
+            check_against_model(args, config, run, plan)
             used = _bench_defaults_used(args, config)
             if used:
                 _say(f"mlx-streaming bench: {', '.join(f'{_flag_of(args, n)} {getattr(config, n)}' for n in used)}: "

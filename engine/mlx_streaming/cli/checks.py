@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..config import StreamingConfig, format_size
+from ..run_settings import RunSettings
 from ..errors import CheckpointError, ConfigError, OutputError
 from .options import _bench_report, _flag_of, _model_dir
 
@@ -155,10 +156,10 @@ def _machine_memory() -> int:
     return psutil.virtual_memory().total
 
 
-def check_config(args, config: StreamingConfig) -> None:
-    """The config against the files it names and this machine: paths from the environment, byte sizes."""
-    if config.dump_ids and args.command == "bench" and not getattr(args, "dump_ids", None):
-        _check_output_file("MLX_STREAMING_DUMP_IDS", config.dump_ids)
+def check_config(args, config: StreamingConfig, run: RunSettings) -> None:
+    """The settings against the files they name and this machine: paths from the environment, byte sizes."""
+    if run.dump_ids and args.command == "bench" and not getattr(args, "dump_ids", None):
+        _check_output_file("MLX_STREAMING_DUMP_IDS", run.dump_ids)
     if config.mtp_path:
         _check_kind("MLX_STREAMING_MTP_PATH", config.mtp_path, "file")
     memory = _machine_memory()
@@ -179,13 +180,13 @@ def _model_limits(model_dir: Path) -> dict:
     return {"max_positions": positions, "top_k": experts_per_token(model_config)}
 
 
-def check_against_model(args, config: StreamingConfig, plan) -> None:
+def check_against_model(args, config: StreamingConfig, run: RunSettings, plan) -> None:
     """Numbers the model bounds, from its config.json and the memory plan (headers only, nothing loaded)."""
     limits = _model_limits(_model_dir(args))
     top_k, positions = limits["top_k"], limits["max_positions"]
     if positions:
-        lengths = {"max_tokens": config.max_tokens, "pin_cal_tokens": config.pin_cal_tokens,
-                   "warmup_tokens": config.warmup_tokens, "new_tokens": getattr(args, "new_tokens", None)}
+        lengths = {"max_tokens": run.max_tokens, "pin_cal_tokens": config.pin_cal_tokens,
+                   "warmup_tokens": run.warmup_tokens, "new_tokens": getattr(args, "new_tokens", None)}
         for name, value in lengths.items():
             if value is not None and value > positions:
                 raise ConfigError(f"{_flag_of(args, name)} {value}: more tokens than the model's context "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config import StreamingConfig, format_size
 from ..errors import ConfigError, OutputError
-from .options import _config, _model_dir, _say, _with_flags
+from .options import _config, _model_dir, _run, _say, _with_flags
 
 
 def _json_file(option: str, path: str):
@@ -71,16 +71,16 @@ def cmd_generate(args) -> None:
     from ..model import build_streaming_model
     from ..harness.report import counters_line, diagnostics_report
 
-    config = _config(args)
+    config, run = _config(args), _run(args)
     with build_streaming_model(_model_dir(args), config) as sm:
         tokenizer = sm.tokenizer
         detok = tokenizer.detokenizer
         detok.reset()
         generated, decode_from = 0, None
-        prompt_ids = tokenizer.encode(config.prompt)
+        prompt_ids = tokenizer.encode(run.prompt)
         if args.record_trace:
             sm.store.route_log = []
-        for token, _ in greedy_steps(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk):
+        for token, _ in greedy_steps(sm.model, prompt_ids, run.max_tokens, config.prefill_chunk):
             if decode_from is None and args.record_trace:
                 decode_from = len(sm.store.route_log)
             if token in tokenizer.eos_token_ids:
@@ -105,14 +105,14 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     from ..integrations.chat import chat
 
-    chat(_model_dir(args), _config(args), temp=args.temp, top_p=args.top_p, seed=args.seed)
+    chat(_model_dir(args), _config(args), _run(args), temp=args.temp, top_p=args.top_p, seed=args.seed)
 
 
 def cmd_serve(args) -> None:
     from ..integrations.server import serve
 
     model_dir = _model_dir(args)
-    serve(model_dir, _with_head(model_dir, _config(args)), host=args.host, port=args.port, temp=args.temp, top_p=args.top_p)
+    serve(model_dir, _with_head(model_dir, _config(args)), _run(args), host=args.host, port=args.port, temp=args.temp, top_p=args.top_p)
 
 
 def cmd_evaluate(args) -> None:
@@ -184,13 +184,13 @@ def cmd_bench(args) -> None:
         result = bench.noise_floor(_without(args.argv, ("--processes", "--json", "--dump-ids")), args.processes)
         print(json.dumps(result, indent=2))
     elif args.io:
-        result = bench.io_report(_model_dir(args), _config(args))
+        result = bench.io_report(_model_dir(args), _config(args), _run(args))
         print(bench.io_table(result))
     elif args.sweep:
-        result = bench.sweep(_model_dir(args), _config(args))
+        result = bench.sweep(_model_dir(args), _config(args), _run(args))
         print(bench.sweep_table(result))
     elif args.prefetch_report:
-        result = bench.prefetch_report(_model_dir(args), _config(args))
+        result = bench.prefetch_report(_model_dir(args), _config(args), _run(args))
         print(bench.prefetch_table(result))
     elif args.gate_power:
         from ..harness import gate_power
@@ -200,11 +200,11 @@ def cmd_bench(args) -> None:
 
             try:
                 result = gate_power.side_by_side_study(Path.cwd(), args.gate_power_base, _model_dir(args),
-                                                       _config(args))
+                                                       _config(args), _run(args).prompt)
             except BaseUnavailable as exc:
                 raise ConfigError(f"--gate-power-base {args.gate_power_base}: {exc}") from None
         else:
-            result = gate_power.study(_model_dir(args), _config(args))
+            result = gate_power.study(_model_dir(args), _config(args), _run(args).prompt)
         print(gate_power.table(result))
     elif args.gate_power_replay:
         from ..harness import gate_power
@@ -214,16 +214,16 @@ def cmd_bench(args) -> None:
         result = gate_power.replay(recorded, baseline=against or None)
         print(gate_power.table(result))
     elif args.k_report:
-        result = bench.k_report(_model_dir(args), _config(args))
+        result = bench.k_report(_model_dir(args), _config(args), _run(args))
         print(bench.auto_table(result, "K"))
     elif args.prefetch_auto_report:
-        result = bench.prefetch_auto_report(_model_dir(args), _config(args))
+        result = bench.prefetch_auto_report(_model_dir(args), _config(args), _run(args))
         print(bench.auto_table(result, "prefetch"))
     elif args.overhead:
-        result = bench.overhead_report(_model_dir(args), _config(args))
+        result = bench.overhead_report(_model_dir(args), _config(args), _run(args))
         print(bench.overhead_table(result))
     else:
-        result = bench.run(_model_dir(args), _config(args), compare_inmemory=args.compare_inmemory)
+        result = bench.run(_model_dir(args), _config(args), _run(args), compare_inmemory=args.compare_inmemory)
         print(bench.table(result))
     if args.json:
         _write_json(args.json, result)

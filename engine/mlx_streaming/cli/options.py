@@ -8,7 +8,10 @@ import re
 import sys
 from pathlib import Path
 
-from ..config import DEFAULT_MEMORY_ALLOWANCE, ENV_NAMES, StreamingConfig, format_size, parse_size
+from ..config import DEFAULT_MEMORY_ALLOWANCE, StreamingConfig, format_size, parse_size
+from ..run_settings import RunSettings
+from . import environment
+from .environment import ENV_NAMES
 
 
 DESCRIPTION = """Run Mixture-of-Experts models larger than memory on MLX: dense weights resident, experts
@@ -16,6 +19,7 @@ streamed from disk into a bounded pool, output equal to mlx-lm's in-memory model
 Without --model every command uses the embedded default model (a small trained Qwen3-Next)."""
 
 DEFAULTS = StreamingConfig()
+RUN_DEFAULTS = RunSettings()
 
 ENV_HELP = ("environment: settings may also come from " + ", ".join(ENV_NAMES) + ". Each one used is named on "
             "stderr; an option on the command line wins. Other names (K, PROMPT, MAXTOK...) are not read.")
@@ -103,18 +107,29 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--prompt", metavar="TEXT", help=f"prompt text (default {DEFAULTS.prompt!r})")
-    g.add_argument("--max-tokens", type=int, metavar="N", help=f"tokens to generate (default {DEFAULTS.max_tokens})")
+    g.add_argument("--prompt", metavar="TEXT", help=f"prompt text (default {RUN_DEFAULTS.prompt!r})")
+    g.add_argument("--max-tokens", type=int, metavar="N", help=f"tokens to generate (default {RUN_DEFAULTS.max_tokens})")
+
+
+def _settings(args):
+    """(engine config, run settings): every option whose destination is a field of either, over the
+    environment's ``MLX_STREAMING_`` names (each named on stderr when used), over the command's own defaults
+    (``config_defaults``). Made once per command: the environment is announced once."""
+    if getattr(args, "settings", None) is None:
+        fields = environment.ENGINE_FIELDS | environment.RUN_FIELDS
+        given = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+        args.settings = environment.settings(defaults=_command_defaults(args), say=_say, **given)
+    return args.settings
 
 
 def _config(args) -> StreamingConfig:
-    """Every option whose destination is a StreamingConfig field, over the environment's ``MLX_STREAMING_``
-    names (each named on stderr when used), over the command's own defaults (``config_defaults``). Made once
-    per command: the environment is announced once."""
-    if getattr(args, "config", None) is None:
-        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StreamingConfig) if hasattr(args, f.name)}
-        args.config = StreamingConfig.from_env(defaults=_command_defaults(args), say=_say, **given)
-    return args.config
+    """The engine's knobs of this command (``_settings``)."""
+    return _settings(args)[0]
+
+
+def _run(args) -> RunSettings:
+    """What this command decodes and how often (``_settings``)."""
+    return _settings(args)[1]
 
 
 #: ``bench`` with no report option: the default model streamed from disk through a quarter-size pool with the
@@ -145,7 +160,7 @@ def _bench_defaults_used(args, config: StreamingConfig) -> list:
     if args.command != "bench" or _bench_report(args) not in (None, "processes"):
         return []
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StreamingConfig) if hasattr(args, f.name)}
-    plain = StreamingConfig.from_env(say=lambda line: None, **given)
+    plain = environment.settings(say=lambda line: None, **given)[0]
     return [name for name in BENCH_DEFAULTS if getattr(config, name) != getattr(plain, name)]
 
 

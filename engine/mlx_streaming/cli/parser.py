@@ -7,8 +7,8 @@ from pathlib import Path
 
 from .commands import (cmd_bench, cmd_chat, cmd_checksum, cmd_evaluate, cmd_extract_mtp, cmd_generate, cmd_limit,
                        cmd_plan, cmd_repack, cmd_serve, cmd_synth)
-from .options import (BENCH_DEFAULTS, DEFAULTS, DESCRIPTION, ENV_HELP, _Parser, _add_generation_options, _add_model_options,
-                      _add_sampling_options, _k, _size)
+from .options import (BENCH_DEFAULTS, DEFAULTS, DESCRIPTION, ENV_HELP, RUN_DEFAULTS, _Parser, _add_generation_options,
+                      _add_model_options, _add_sampling_options, _k, _size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,13 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_options(p)
     g = p.add_argument_group("speculation and timing")
     g.add_argument("--k", type=_k, help="tokens per verify: 1 + K-1 MTP drafts, or auto: chosen while decoding "
-                                        f"from measured step costs and acceptance (default {DEFAULTS.k})")
+                                        f"from measured step costs and acceptance (default {RUN_DEFAULTS.k})")
     g.add_argument("--commit-mode", dest="commit_mode", choices=("direct", "replay"),
                    help="how Gated-DeltaNet state is committed after a partial accept: keep the per-position states "
-                        f"(direct) or restore a snapshot and replay (default {DEFAULTS.commit_mode})")
+                        f"(direct) or restore a snapshot and replay (default {RUN_DEFAULTS.commit_mode})")
     g.add_argument("--warmup", dest="warmup_tokens", type=int, metavar="N",
-                   help=f"warm-up tokens per path before the timed runs (default {DEFAULTS.warmup_tokens})")
-    g.add_argument("--repeat", type=int, metavar="N", help=f"timed runs per path, medians reported (default {DEFAULTS.repeat})")
+                   help=f"warm-up tokens per path before the timed runs (default {RUN_DEFAULTS.warmup_tokens})")
+    g.add_argument("--repeat", type=int, metavar="N", help=f"timed runs per path, medians reported (default {RUN_DEFAULTS.repeat})")
     g.add_argument("--pin-hot", type=int, metavar="N", help="pin each layer's N hottest experts, found by a calibration run")
     g.add_argument("--pin-cal-tokens", type=int, metavar="N",
                    help=f"tokens of the pin-hot calibration run (default {DEFAULTS.pin_cal_tokens})")

@@ -91,7 +91,7 @@ def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: Dict
     return fails / runs, {check: count / runs for check, count in by_check.items()}
 
 
-def study(model_dir: Path, config: StreamingConfig, tokens: int = 16, runs: int = 300) -> Dict:
+def study(model_dir: Path, config: StreamingConfig, prompt_text: str, tokens: int = 16, runs: int = 300) -> Dict:
     import mlx_lm
 
     from ..model import build_streaming_model
@@ -103,7 +103,7 @@ def study(model_dir: Path, config: StreamingConfig, tokens: int = 16, runs: int 
     models = {scenario: build_streaming_model(model_dir, c) for scenario, c in configs.items()}
     sizes = ", ".join(f"{scenario} {n}" for scenario, n in ROUNDS.items())
     try:
-        prompt = next(iter(models.values())).tokenizer.encode(config.prompt)
+        prompt = next(iter(models.values())).tokenizer.encode(prompt_text)
         for model in [reference] + [sm.model for sm in models.values()]:
             greedy_generate(model, prompt, tokens)  # warm-up
         _say("baseline pools, quiet: round pairs " + ", ".join(f"{s} {n}" for s, n in BASELINE_ROUNDS.items()))
@@ -132,8 +132,8 @@ def study(model_dir: Path, config: StreamingConfig, tokens: int = 16, runs: int 
 SIDE_BY_SIDE_FRACTIONS = (0.10, 0.20)
 
 
-def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingConfig, tokens: int = 16,
-                       runs: int = 300) -> Dict:
+def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingConfig, prompt_text: str,
+                       tokens: int = 16, runs: int = 300) -> Dict:
     """The power study of the side-by-side gate, measured as the gate measures: base revision ``rev``'s engine in
     its worker (``side_by_side.BaseEngine``), the current tree's in this process, each round after its own
     yardstick round, base and current alternating round by round. Per condition (quiet, busy) and per planted
@@ -153,7 +153,7 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
     pools = {f"{c} +{f:.0%}": {} for c in ("quiet", "busy") for f in fractions}
     bases = {name: {} for name in pools}
     cost = {}
-    prompt = _prompt(model_dir, config)
+    prompt = _prompt(model_dir, prompt_text)
     chosen = perf_rounds.Yardstick.choose(model_dir, prompt, InMemoryPlan(model_dir).fits)
     reference, _ = mlx_lm.load(chosen.model)
     with BaseEngine(repo, rev, model_dir, mtp_path, prompt, tokens, engine_config, chosen.as_dict()) as base:
@@ -197,10 +197,10 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
     return replay(recorded, runs)
 
 
-def _prompt(model_dir: Path, config: StreamingConfig) -> list:
+def _prompt(model_dir: Path, text: str) -> list:
     from mlx_lm.utils import load_tokenizer
 
-    return load_tokenizer(Path(model_dir)).encode(config.prompt)
+    return load_tokenizer(Path(model_dir)).encode(text)
 
 
 def suite_baseline(saved: Dict) -> Dict[str, Tuple]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from ..config import StreamingConfig
+from ..run_settings import RunSettings
 
 
 def _turn_tokens(tokenizer, text: str) -> list:
@@ -21,7 +22,8 @@ def _turn_tokens(tokenizer, text: str) -> list:
     return tokenizer.encode(text)
 
 
-def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: int, read=input, write=sys.stdout.write) -> None:
+def chat(model_dir, config: StreamingConfig, run: RunSettings, temp: float, top_p: float, seed: int, read=input,
+         write=sys.stdout.write) -> None:
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -34,7 +36,7 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
     mx.random.seed(seed)
     loop.install()
     with build_streaming_model(model_dir, config) as sm:
-        engine = loop.EngineLoop(sm, config.k, config.commit_mode, speculate=False)  # the cache ends at the answer
+        engine = loop.EngineLoop(sm, run.k, run.commit_mode, speculate=False)  # the cache ends at the answer
         tokenizer, store = sm.tokenizer, sm.store
         if not getattr(tokenizer, "chat_template", None):
             print("this model has no chat template: each line is text for it to continue", file=sys.stderr)
@@ -50,7 +52,7 @@ def chat(model_dir, config: StreamingConfig, temp: float, top_p: float, seed: in
             store.reset_stats()
             last = None
             try:
-                for last in stream_generate(sm.model, tokenizer, _turn_tokens(tokenizer, text), max_tokens=config.max_tokens,
+                for last in stream_generate(sm.model, tokenizer, _turn_tokens(tokenizer, text), max_tokens=run.max_tokens,
                                             sampler=sampler, prompt_cache=cache, draft_model=engine):
                     write(last.text)
                     sys.stdout.flush()

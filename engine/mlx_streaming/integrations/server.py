@@ -23,6 +23,7 @@ from pathlib import Path
 from mlx_lm import server as mlx_server
 
 from ..config import StreamingConfig
+from ..run_settings import RunSettings
 from . import loop, require_tested_mlx_lm
 
 
@@ -47,8 +48,8 @@ def install_engine_loop() -> None:
 class StreamingModelProvider(mlx_server.ModelProvider):
     """mlx-lm's model provider, building the one streaming model it serves (``--model`` or the default)."""
 
-    def __init__(self, cli_args: argparse.Namespace, model_dir: Path, config: StreamingConfig):
-        self.model_dir, self.config, self.streaming = Path(model_dir), config, None
+    def __init__(self, cli_args: argparse.Namespace, model_dir: Path, config: StreamingConfig, run: RunSettings):
+        self.model_dir, self.config, self.run, self.streaming = Path(model_dir), config, run, None
         super().__init__(cli_args)
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
@@ -65,7 +66,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer = self.streaming.model, self.streaming.tokenizer
         self.processor, self.is_batchable = None, False
-        self.draft_model = loop.EngineLoop(self.streaming, self.config.k, self.config.commit_mode, speculate=True)
+        self.draft_model = loop.EngineLoop(self.streaming, self.run.k, self.run.commit_mode, speculate=True)
 
     def served_id(self) -> str:
         """The model's id in ``/v1/models``: its folder's absolute path."""
@@ -100,11 +101,12 @@ def server_args(model_dir: Path, host: str, port: int, max_tokens: int, temp: fl
         log_level="INFO")
 
 
-def serve(model_dir: Path, config: StreamingConfig, host: str, port: int, temp: float, top_p: float) -> None:
+def serve(model_dir: Path, config: StreamingConfig, run: RunSettings, host: str, port: int, temp: float,
+          top_p: float) -> None:
     require_tested_mlx_lm("mlx-streaming serve")
-    args = server_args(model_dir, host, port, config.max_tokens, temp, top_p)
+    args = server_args(model_dir, host, port, run.max_tokens, temp, top_p)
     logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")  # as mlx_lm.server's
-    provider = StreamingModelProvider(args, model_dir, config)
+    provider = StreamingModelProvider(args, model_dir, config, run)
     provider.load_default()  # build now: a bad option fails here, in one line, not at the first request
     install_engine_loop()
     if provider.draft_model.speculate:  # a speculative step commits up to K tokens: caches may run past the key

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..runtime.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
-from ..config import COMMIT_MODES
+from ..run_settings import COMMIT_MODES
 from ..decode.greedy import prefill_chunked
 from .autok import KChooser
 

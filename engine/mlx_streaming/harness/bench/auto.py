@@ -6,6 +6,7 @@ from pathlib import Path
 
 
 from ...config import StreamingConfig
+from ...run_settings import RunSettings
 from ...decode.greedy import greedy_generate
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
@@ -17,31 +18,31 @@ from .io_report import _demand_gbps, raw_read_probe
 K_REPORT = (1, 2, 3, 4, "auto")
 
 
-def k_report(model_dir: Path, config: StreamingConfig) -> dict:
+def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """MTP speculation at every fixed K and at "auto", interleaved (``_interleaved``): median decode tok/s per
     K, auto over the best fixed K, the K auto chose per step, and every run's ids against greedy's."""
     from ...model import build_streaming_model
 
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
-        prompt_ids = sm.tokenizer.encode(config.prompt)
-        greedy = greedy_generate(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk)
+        prompt_ids = sm.tokenizer.encode(run.prompt)
+        greedy = greedy_generate(sm.model, prompt_ids, run.max_tokens, config.prefill_chunk)
 
         def arm(k):
             def once(n):
-                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, config.commit_mode,
+                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, run.commit_mode,
                                           config.prefill_chunk)
                 return stats["decode_tok_s"], ids, stats["k_hist"]
             return once
 
-        rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, config)
+        rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, run)
         chosen = runs["auto"][-1][1]
-        return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": config.max_tokens,
-                "repeat": config.repeat, **_versus_best(rates, "auto"),
+        return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": run.max_tokens,
+                "repeat": run.repeat, **_versus_best(rates, "auto"),
                 "auto_k_steps": {str(k): chosen.count(k) for k in sorted(set(chosen))},
                 "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
 
 
-def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
+def prefetch_auto_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """Greedy decoding with prefetch off, on and auto (three models of the config's pool, run interleaved):
     median tok/s each, auto over the better of on and off, auto's decisions, and the ids of every arm."""
     from contextlib import ExitStack
@@ -51,7 +52,7 @@ def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
     with ExitStack() as stack:
         models = {arm: stack.enter_context(build_streaming_model(model_dir, config.replace(prefetch=arm)))
                   for arm in (False, True, "auto")}
-        prompt_ids = models[False].tokenizer.encode(config.prompt)
+        prompt_ids = models[False].tokenizer.encode(run.prompt)
 
         def arm(sm):
             def once(n):
@@ -59,10 +60,10 @@ def prefetch_auto_report(model_dir: Path, config: StreamingConfig) -> dict:
             return once
 
         names = {False: "off", True: "on", "auto": "auto"}
-        rates, runs = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, config)
+        rates, runs = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, run)
         switch = models["auto"].prefetch.switch
         return {"model": str(model_dir), "pool_slots": models[False].store.capacity, "io_mode": config.io_mode,
-                "max_tokens": config.max_tokens, "repeat": config.repeat, **_versus_best(rates, "auto"),
+                "max_tokens": run.max_tokens, "repeat": run.repeat, **_versus_best(rates, "auto"),
                 "auto_decisions": ["on" if d else "off" for d in switch.decisions],
                 "auto_measured_s_per_token": {("on" if a else "off"): v for a, v in switch.measured.items()},
                 "ids_identical": len({tuple(ids) for arm_runs in runs.values() for ids, _ in arm_runs}) == 1}
@@ -90,12 +91,12 @@ PREFETCH_ROWS = (("naive (pool = top_k)", True, False, 0, 1), ("LRU", False, Fal
                  ("LRU + prefetch ahead 1 mult 2", False, True, 1, 2))
 
 
-def _prefetch_row(model_dir: Path, config: StreamingConfig, label: str) -> dict:
+def _prefetch_row(model_dir: Path, config: StreamingConfig, run: RunSettings, label: str) -> dict:
     from ...model import build_streaming_model
 
     _say(f"{label}: building")
     with build_streaming_model(model_dir, config) as sm:
-        rates, ids, counters, s = _greedy_runs(sm, config, label)
+        rates, ids, counters, s = _greedy_runs(sm, config, run, label)
         row = {"label": label, "layout": "packed" if config.packed_dir else "scattered", "pool_slots": sm.store.capacity,
                "prefetch": config.prefetch, "ahead": config.prefetch_ahead, "mult": config.prefetch_mult,
                "tok_s": _spread(rates), "io": counters, "place_s": s["place_s"], "read_s": s["read_s"],
@@ -108,7 +109,7 @@ def _prefetch_row(model_dir: Path, config: StreamingConfig, label: str) -> dict:
     return row
 
 
-def prefetch_report(model_dir: Path, config: StreamingConfig) -> dict:
+def prefetch_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """Greedy decoding side by side: the pool at its minimum, the configured LRU pool, and LRU with prefetch
     (ahead 0 and 1, mult 1 and 2, with diagnostics), plus the raw disk rate at the expert read size. With
     ``packed_dir`` the LRU and prefetch rows run again on the packed layout."""
@@ -128,13 +129,13 @@ def prefetch_report(model_dir: Path, config: StreamingConfig) -> dict:
                                         diagnostics=bool(prefetch))
             if minimum:
                 row_config = row_config.with_pool(pool_slots=top_k)
-            rows.append(_prefetch_row(model_dir, row_config, label))
+            rows.append(_prefetch_row(model_dir, row_config, run, label))
     reference = rows[1]["tok_s"]["median"]
     ids = [row.pop("ids") for row in rows]
     for row in rows:
         row["over_lru"] = row["tok_s"]["median"] / reference
-    return {"model": str(model_dir), "io_mode": config.io_mode, "max_tokens": config.max_tokens,
-            "repeat": config.repeat, "raw_read": raw, "ids_identical": all(i == ids[0] for i in ids), "rows": rows}
+    return {"model": str(model_dir), "io_mode": config.io_mode, "max_tokens": run.max_tokens,
+            "repeat": run.repeat, "raw_read": raw, "ids_identical": all(i == ids[0] for i in ids), "rows": rows}
 
 
 def prefetch_table(report: dict) -> str:

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from ...config import StreamingConfig
+from ...run_settings import RunSettings
 from ...errors import ConfigError
 from ...decode.greedy import greedy_steps
 from ..reference import InMemoryPlan
@@ -89,7 +90,7 @@ def _refuse_unless_inmemory_fits(model_dir: Path, mode: str) -> None:
         raise ConfigError(f"bench {mode} measures against mlx-lm's in-memory model, and {plan.why_not}")
 
 
-def _inmemory(model_dir: Path, config: StreamingConfig, prompt_ids) -> dict:
+def _inmemory(model_dir: Path, config: StreamingConfig, run: RunSettings, prompt_ids) -> dict:
     """mlx-lm's in-memory greedy decode tok/s and ids, with the bytes of its weights (every one read at load)
     and MLX's peak above what was active before it loaded."""
     import mlx_lm
@@ -99,9 +100,9 @@ def _inmemory(model_dir: Path, config: StreamingConfig, prompt_ids) -> dict:
     _say("loading mlx-lm's in-memory model")
     model, _ = mlx_lm.load(str(model_dir))
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    if config.warmup_tokens:
-        timed_greedy(model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
-    rates, (ids,), _ = _timed_runs("in-memory greedy", lambda: timed_greedy(model, prompt_ids, config.max_tokens, config.prefill_chunk), None, config.repeat)
+    if run.warmup_tokens:
+        timed_greedy(model, prompt_ids, run.warmup_tokens, config.prefill_chunk)
+    rates, (ids,), _ = _timed_runs("in-memory greedy", lambda: timed_greedy(model, prompt_ids, run.max_tokens, config.prefill_chunk), None, run.repeat)
     peak = _peak_growth(mark)
     del model
     mx.clear_cache()
@@ -112,28 +113,28 @@ def _f(value: float, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
-def _greedy_runs(sm, config: StreamingConfig, label: str) -> tuple:
-    """Warm up, then ``config.repeat`` timed greedy decodes of the config's prompt on the built model ``sm``:
+def _greedy_runs(sm, config: StreamingConfig, run: RunSettings, label: str) -> tuple:
+    """Warm up, then ``run.repeat`` timed greedy decodes of the run's prompt on the built model ``sm``:
     (rates, the last run's ids, the bench counters, the store's raw stats)."""
-    prompt_ids = sm.tokenizer.encode(config.prompt)
-    if config.warmup_tokens:
-        timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
+    prompt_ids = sm.tokenizer.encode(run.prompt)
+    if run.warmup_tokens:
+        timed_greedy(sm.model, prompt_ids, run.warmup_tokens, config.prefill_chunk)
     rates, (ids,), counters = _timed_runs(
-        label, lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
+        label, lambda: timed_greedy(sm.model, prompt_ids, run.max_tokens, config.prefill_chunk), sm.store, run.repeat)
     return rates, ids, counters, sm.store.stats()
 
 
-def _interleaved(label: str, arms: dict, config: StreamingConfig) -> tuple:
+def _interleaved(label: str, arms: dict, run: RunSettings) -> tuple:
     """Warm every arm up (``arms``: name -> ``once(n)``, which decodes ``n`` tokens and returns (tok/s, ids,
-    extra)), then ``config.repeat`` rounds running each arm once, interleaved, so a drifting machine moves them
+    extra)), then ``run.repeat`` rounds running each arm once, interleaved, so a drifting machine moves them
     alike: (tok/s per arm per round, each arm's (ids, extra) per round)."""
     for once in arms.values():
-        once(max(2, config.warmup_tokens))
+        once(max(2, run.warmup_tokens))
     rates, runs = {name: [] for name in arms}, {name: [] for name in arms}
-    for i in range(config.repeat):
-        _say(f"{label}: round {i + 1}/{config.repeat}")
+    for i in range(run.repeat):
+        _say(f"{label}: round {i + 1}/{run.repeat}")
         for name, once in arms.items():
-            rate, ids, extra = once(config.max_tokens)
+            rate, ids, extra = once(run.max_tokens)
             rates[name].append(rate)
             runs[name].append((ids, extra))
     return rates, runs

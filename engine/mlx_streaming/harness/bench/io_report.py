@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 from ...config import StreamingConfig
+from ...run_settings import RunSettings
 from ...io.reader import READ_THREADS, ExpertReader
 from .common import _greedy_runs, _say, _spread
 
@@ -55,7 +56,7 @@ def _demand_gbps(stats: dict) -> float:
     return stats["demand_bytes"] / stats["read_s"] / 1e9 if stats["read_s"] else 0.0
 
 
-def io_report(model_dir: Path, config: StreamingConfig) -> dict:
+def io_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """The disk's ceiling (``io_ceiling``), then greedy decoding at the configured pool and io mode: the
     engine's demand-load rate (bytes read / seconds in demand reads) against the ceiling."""
     from ...model import build_streaming_model
@@ -63,11 +64,11 @@ def io_report(model_dir: Path, config: StreamingConfig) -> dict:
     with build_streaming_model(model_dir, config) as sm:
         _say(f"disk ceiling: request sizes x read threads ({config.io_mode})")
         ceiling = io_ceiling(sm.store.index, config.io_mode, sm.store.top_k)
-        rates, ids, counters, s = _greedy_runs(sm, config, "greedy")
+        rates, ids, counters, s = _greedy_runs(sm, config, run, "greedy")
         demand = _demand_gbps(s)
         return {"model": str(model_dir), "io_mode": config.io_mode, "layout": "packed" if config.packed_dir else "scattered",
                 "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
-                "expert_bytes": sm.store.index.expert_bytes, "max_tokens": config.max_tokens, "repeat": config.repeat,
+                "expert_bytes": sm.store.index.expert_bytes, "max_tokens": run.max_tokens, "repeat": run.repeat,
                 "ceiling": ceiling, "demand_read_gbps": demand, "demand_over_ceiling": demand / ceiling["best"]["gbps"],
                 "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
                 "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}

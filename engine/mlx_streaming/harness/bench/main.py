@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 from ...config import StreamingConfig
+from ...run_settings import RunSettings
 from ...decode.greedy import greedy_generate
 from ...mtp.drafter import MTPDrafter
 from ...mtp.profile import union_profile
@@ -18,7 +19,7 @@ from ..report import diagnostics_report
 from .common import _f, _inmemory, _memory_mark, _peak_growth, _say, _spread, _streaming_weights, _timed_runs, timed_greedy
 
 
-def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False) -> dict:
+def run(model_dir: Path, config: StreamingConfig, settings: RunSettings, compare_inmemory: bool = False) -> dict:
     """One benchmark of ``config`` on ``model_dir``: the result dict the CLI prints and perf tests store."""
     from ...model import build_streaming_model
     from ..memory import memory_snapshot
@@ -31,8 +32,8 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
     mark = _memory_mark()
     _say(f"building the streaming model from {model_dir}")
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
-        prompt_ids = sm.tokenizer.encode(config.prompt)
-        K, mode, chunk, n = config.k, config.commit_mode, config.prefill_chunk, config.max_tokens
+        prompt_ids = sm.tokenizer.encode(settings.prompt)
+        K, mode, chunk, n = settings.k, settings.commit_mode, config.prefill_chunk, settings.max_tokens
         weights = _streaming_weights(sm)
 
         def greedy_once():
@@ -42,21 +43,21 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, K, mode, chunk)
             return stats["decode_tok_s"], ids, stats
 
-        if config.warmup_tokens:
-            _say(f"warming up both paths ({config.warmup_tokens} tokens)")
-            timed_greedy(sm.model, prompt_ids, config.warmup_tokens, chunk)
-            mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, config.warmup_tokens, K, mode, chunk)
-        greedy_rates, (greedy_ids,), greedy_counters = _timed_runs("greedy", greedy_once, sm.store, config.repeat)
+        if settings.warmup_tokens:
+            _say(f"warming up both paths ({settings.warmup_tokens} tokens)")
+            timed_greedy(sm.model, prompt_ids, settings.warmup_tokens, chunk)
+            mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, settings.warmup_tokens, K, mode, chunk)
+        greedy_rates, (greedy_ids,), greedy_counters = _timed_runs("greedy", greedy_once, sm.store, settings.repeat)
         sm.store.route_log = []
-        spec_rates, (spec_ids, spec_stats), spec_counters = _timed_runs("speculative", spec_once, sm.store, config.repeat)
+        spec_rates, (spec_ids, spec_stats), spec_counters = _timed_runs("speculative", spec_once, sm.store, settings.repeat)
         k_hist = spec_stats["k_hist"]
         unions = union_profile(sm.store.route_log, max(set(k_hist), key=k_hist.count) if k_hist else K)
         sm.store.route_log = None
 
         divergence = first_divergence(spec_ids, greedy_ids, _margins(sm.model, prompt_ids, n, chunk)) if spec_ids != greedy_ids else None
         result = {
-            "model": str(model_dir), "K": K, "max_tokens": n, "warmup": config.warmup_tokens, "repeat": config.repeat,
-            "prompt": config.prompt, "prefill_chunk": chunk, "io_mode": config.io_mode,
+            "model": str(model_dir), "K": K, "max_tokens": n, "warmup": settings.warmup_tokens, "repeat": settings.repeat,
+            "prompt": settings.prompt, "prefill_chunk": chunk, "io_mode": config.io_mode,
             "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
             "pinned_experts": sum(len(p.pinned) for p in sm.store.pool.policies.values()),
             "exact_match": spec_ids == greedy_ids,
@@ -79,13 +80,13 @@ def run(model_dir: Path, config: StreamingConfig, compare_inmemory: bool = False
             result["diagnostics"] = diagnostics_report(sm.store).splitlines()
     del sm  # gone before the in-memory model loads: neither is counted in the other's memory
     if compare_inmemory:
-        result["inmemory"] = _inmemory(model_dir, config, prompt_ids)
+        result["inmemory"] = _inmemory(model_dir, config, settings, prompt_ids)
         result["streaming_over_inmemory"] = result["greedy_tok_s"]["median"] / result["inmemory"]["tok_s"]["median"]
         inmemory_ids = result["inmemory"].pop("ids")
         result["inmemory_ids_match"] = inmemory_ids == greedy_ids
         result["spec_inmemory_ids_match"] = inmemory_ids == spec_ids
-    if config.dump_ids:
-        Path(config.dump_ids).write_text(json.dumps({"greedy": greedy_ids, "speculative": spec_ids}))
+    if settings.dump_ids:
+        Path(settings.dump_ids).write_text(json.dumps({"greedy": greedy_ids, "speculative": spec_ids}))
     return result
 
 

@@ -10,12 +10,13 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ...config import StreamingConfig
+from ...run_settings import RunSettings
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
 from .common import _interleaved, _refuse_unless_inmemory_fits, _spread, timed_greedy
 
 
-def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
+def overhead_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """The engine's own cost per token: mlx-lm's in-memory greedy against streaming greedy (and MTP
     speculation where the model has a head) at the configured pool, with the miss check per MoE layer and
     per token, every path built first and run in interleaved rounds (``_interleaved``), so a drifting machine
@@ -30,7 +31,7 @@ def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
 
     _refuse_unless_inmemory_fits(model_dir, "--overhead")
     model, tokenizer = mlx_lm.load(str(model_dir))
-    prompt_ids = tokenizer.encode(config.prompt)
+    prompt_ids = tokenizer.encode(run.prompt)
     has_mtp = (Path(model_dir) / "mtp.safetensors").exists() or config.mtp_path
     with ExitStack() as stack:
         arms = {("mlx-lm in-memory greedy", None): _costed(_greedy_path(model, prompt_ids, config), None)}
@@ -41,9 +42,9 @@ def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
             slots[miss_check] = sm.store.capacity
             arms[("streaming greedy", miss_check)] = _costed(_greedy_path(sm.model, prompt_ids, config), sm.store)
             if has_mtp:
-                arms[(f"streaming MTP K={config.k}", miss_check)] = _costed(_speculative_path(sm, prompt_ids, config),
+                arms[(f"streaming MTP K={run.k}", miss_check)] = _costed(_speculative_path(sm, prompt_ids, config, run),
                                                                             sm.store)
-        rates, runs = _interleaved("overhead", arms, config)
+        rates, runs = _interleaved("overhead", arms, run)
     inmemory_ids = runs[("mlx-lm in-memory greedy", None)][-1][0]
     rows = []
     for (path, miss_check), arm_runs in runs.items():
@@ -53,17 +54,17 @@ def overhead_report(model_dir: Path, config: StreamingConfig) -> dict:
         rows.append(_overhead_row(path, miss_check, rates[(path, miss_check)], cpu, stats, len(ids) - 1, ids_match,
                                   slots.get(miss_check)))
     return {"model": str(model_dir), "device": str(mx.default_device()), "io_mode": config.io_mode,
-            "max_tokens": config.max_tokens, "warmup": config.warmup_tokens, "repeat": config.repeat, "rows": rows}
+            "max_tokens": run.max_tokens, "warmup": run.warmup_tokens, "repeat": run.repeat, "rows": rows}
 
 
 def _greedy_path(model, prompt_ids, config: StreamingConfig) -> Callable:
     return lambda n, on_decode: timed_greedy(model, prompt_ids, n, config.prefill_chunk, on_decode)
 
 
-def _speculative_path(sm, prompt_ids, config: StreamingConfig) -> Callable:
+def _speculative_path(sm, prompt_ids, config: StreamingConfig, run: RunSettings) -> Callable:
     def once(n, on_decode):
-        ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, config.k,
-                                  config.commit_mode, config.prefill_chunk, on_decode)
+        ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, run.k,
+                                  run.commit_mode, config.prefill_chunk, on_decode)
         return stats["decode_tok_s"], ids
     return once
 

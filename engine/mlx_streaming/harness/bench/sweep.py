@@ -11,10 +11,11 @@ from typing import List
 import mlx.core as mx
 
 from ...config import StreamingConfig
+from ...run_settings import RunSettings
 from .common import _inmemory, _refuse_unless_inmemory_fits, _say, _spread, _timed_runs, timed_greedy
 
 
-def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=("buffered", "direct")) -> List[dict]:
+def sweep(model_dir: Path, config: StreamingConfig, run: RunSettings, pools=(1.0, 0.25), io_modes=("buffered", "direct")) -> List[dict]:
     """Greedy decode tok/s and expert traffic: mlx-lm in-memory, then streaming at each pool fraction and io
     mode (the full pool only buffered: it reads each expert once)."""
     from mlx_lm.utils import load_tokenizer
@@ -22,8 +23,8 @@ def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=
     from ...model import build_streaming_model
 
     _refuse_unless_inmemory_fits(model_dir, "--sweep")
-    prompt_ids = load_tokenizer(Path(model_dir)).encode(config.prompt)
-    inmemory = _inmemory(model_dir, config, prompt_ids)
+    prompt_ids = load_tokenizer(Path(model_dir)).encode(run.prompt)
+    inmemory = _inmemory(model_dir, config, run, prompt_ids)
     reference = inmemory["ids"]
     rows = [{"scenario": "mlx-lm in-memory", "io_mode": "-", "pool_slots": "-", "tok_s": inmemory["tok_s"], "ids_match": True}]
     for fraction in pools:
@@ -31,9 +32,9 @@ def sweep(model_dir: Path, config: StreamingConfig, pools=(1.0, 0.25), io_modes=
             cfg = config.with_pool(pool_fraction=fraction).replace(io_mode=io_mode)
             with build_streaming_model(model_dir, cfg) as sm:
                 slots = sm.store.capacity
-                if config.warmup_tokens:
-                    timed_greedy(sm.model, prompt_ids, config.warmup_tokens, config.prefill_chunk)
-                rates, (ids,), counters = _timed_runs(f"stream {fraction:.0%} {io_mode}", lambda: timed_greedy(sm.model, prompt_ids, config.max_tokens, config.prefill_chunk), sm.store, config.repeat)
+                if run.warmup_tokens:
+                    timed_greedy(sm.model, prompt_ids, run.warmup_tokens, config.prefill_chunk)
+                rates, (ids,), counters = _timed_runs(f"stream {fraction:.0%} {io_mode}", lambda: timed_greedy(sm.model, prompt_ids, run.max_tokens, config.prefill_chunk), sm.store, run.repeat)
             rows.append({"scenario": f"streaming {fraction:.0%}", "io_mode": io_mode, "pool_slots": slots, "tok_s": _spread(rates),
                          "ids_match": ids == reference, **{k: counters[k] / len(ids) for k in ("hits", "disk_loads", "bytes_read")}})
             mx.clear_cache()
