@@ -239,5 +239,5 @@ def test_the_server_integration_refuses_an_mlx_lm_it_was_not_tested_with():
     from mlx_streaming.integrations import UntestedMlxLmError, require_tested_mlx_lm
 
     require_tested_mlx_lm("serve", "0.32.2")
-    with pytest.raises(UntestedMlxLmError, match=r"serve uses mlx-lm's server internals .* mlx-lm 0\.33\.0 is installed"):
+    with pytest.raises(UntestedMlxLmError, match=r"serve uses mlx-lm's internals .* mlx-lm 0\.33\.0 is installed"):
         require_tested_mlx_lm("serve", "0.33.0")

@@ -11,12 +11,13 @@ and saved by mlx-lm's ``save_model`` / ``save_config``: exactly what ``mlx_lm.co
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING, quantize_model, save_config, save_model
 
 from ..errors import ConfigError
 from ..checkpoint.manifest import write_manifest
@@ -60,7 +61,7 @@ def synth_arch(out_dir: Path, arch: str, seed: int = 0) -> Path:
     with fresh_folder(out_dir, "synth") as partial:
         # mlx-lm's own class for the model_type. There is no public constructor from a config alone:
         # load_model without weights trips some architectures' sanitize (qwen3_vl_moe, kimi_k25).
-        model_class, args_class = _get_classes(copy.deepcopy(config))
+        model_class, args_class = _model_classes(config)
         model = model_class(args_class.from_dict(copy.deepcopy(config)))
         _randomize(model, seed)
         _cast_like_convert(model)
@@ -73,3 +74,18 @@ def synth_arch(out_dir: Path, arch: str, seed: int = 0) -> Path:
 
         write_manifest(open_checkpoint(partial, StreamingConfig()).index, partial, "synth")
     return Path(out_dir)
+
+
+def _model_classes(config: dict) -> tuple:
+    """mlx-lm's (``Model``, ``ModelArgs``) for ``config``, its module found through mlx-lm's public remapping
+    tables, as its loader finds it."""
+    model_type = config["model_type"]
+    architectures = config.get("architectures") or ()
+    for architecture in (architectures,) if isinstance(architectures, str) else architectures:
+        if (model_type, architecture) in MODEL_ARCHITECTURE_REMAPPING:
+            model_type = MODEL_ARCHITECTURE_REMAPPING[model_type, architecture]
+            break
+    else:
+        model_type = MODEL_REMAPPING.get(model_type, model_type)
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    return module.Model, module.ModelArgs

@@ -10,7 +10,6 @@ from typing import Dict, List, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import _BaseCache  # every mlx-lm cache's base
 
 from ..errors import CheckpointError
 
@@ -107,11 +106,16 @@ class Part:
         return out
 
 
+def _is_cache(value) -> bool:
+    """Whether ``value`` is an mlx-lm cache: every one has a ``state`` and says whether it is trimmable."""
+    return hasattr(value, "state") and callable(getattr(value, "is_trimmable", None))
+
+
 def _cache_arrays(value) -> List[mx.array]:
     """The arrays an mlx-lm cache object (or a list of them) holds, so that a part leaves its state evaluated."""
     if isinstance(value, (list, tuple)):
         return [a for v in value for a in _cache_arrays(v)]
-    if not isinstance(value, _BaseCache):
+    if not _is_cache(value):
         return []
     found = []
     for v in vars(value).values():
@@ -119,7 +123,7 @@ def _cache_arrays(value) -> List[mx.array]:
             found.append(v)
         elif isinstance(v, (list, tuple)):
             found.extend(a for a in v if isinstance(a, mx.array))
-            found.extend(_cache_arrays([c for c in v if isinstance(c, _BaseCache)]))
+            found.extend(_cache_arrays([c for c in v if _is_cache(c)]))
     return found
 
 

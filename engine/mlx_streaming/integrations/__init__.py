@@ -1,8 +1,10 @@
-"""mlx-lm's own loops and server on a streaming model: ``chat`` (``stream_generate`` and mlx-lm's sampler) and
-``server`` (mlx-lm's OpenAI-compatible server, whose private names the project uses only there).
+"""mlx-lm's own loops and server on a streaming model: ``chat`` (``stream_generate`` and mlx-lm's sampler),
+``server`` (mlx-lm's OpenAI-compatible server), ``loop`` (the engine's loops in ``stream_generate``'s draft slot)
+and ``internals`` (every use of mlx-lm's private names, the project's only one).
 
-mlx-lm's server has no public hook for another model provider's generator, so ``server`` depends on names mlx-lm
-may change in any release: it runs only on the mlx-lm versions it was tested with (``require_tested_mlx_lm``).
+mlx-lm has no public hook for another generator under ``stream_generate`` or its server, so ``chat`` and ``server``
+depend on names mlx-lm may change in any release: they run only on the mlx-lm versions they were tested with
+(``require_tested_mlx_lm``).
 """
 
 from __future__ import annotations
@@ -25,5 +27,5 @@ def require_tested_mlx_lm(feature: str, version: str = None) -> None:
         version = mlx_lm.__version__
     if ".".join(version.split(".")[:2]) not in TESTED_MLX_LM:
         raise UntestedMlxLmError(
-            f"{feature} uses mlx-lm's server internals and was tested with mlx-lm {', '.join(TESTED_MLX_LM)}.x; "
+            f"{feature} uses mlx-lm's internals and was tested with mlx-lm {', '.join(TESTED_MLX_LM)}.x; "
             f"mlx-lm {version} is installed: install mlx-lm=={TESTED_MLX_LM[-1]}.* for it")

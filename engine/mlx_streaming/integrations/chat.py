@@ -31,10 +31,11 @@ def chat(model_dir, config: StreamingConfig, run: RunSettings, temp: float, top_
 
     from ..model import build_streaming_model
     from ..harness.report import counters_line
-    from . import loop
+    from . import internals, loop, require_tested_mlx_lm
 
+    require_tested_mlx_lm("mlx-streaming chat")
     mx.random.seed(seed)
-    loop.install()
+    internals.install_engine_step()
     with build_streaming_model(model_dir, config) as sm:
         engine = loop.EngineLoop(sm, run.k, run.commit_mode, speculate=False)  # the cache ends at the answer
         tokenizer, store = sm.tokenizer, sm.store

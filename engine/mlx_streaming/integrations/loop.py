@@ -1,8 +1,9 @@
 """mlx-lm's ``stream_generate`` driving the engine's loops, through its draft-model slot.
 
 ``stream_generate`` takes no generator of its own; given a draft model it calls
-``mlx_lm.generate.speculative_generate_step``, looked up at every call. ``install`` puts ``engine_step`` there, in
-this process (the project's ``chat`` and ``serve`` commands call it; importing the package does not). With an
+``mlx_lm.generate.speculative_generate_step``, looked up at every call. ``internals.install_engine_step`` puts
+``engine_step`` there, in this process (the project's ``chat`` and ``serve`` commands call it; importing the
+package does not). With an
 ``EngineLoop`` in the draft slot a request runs the engine's loops: greedy requests on a model with an MTP head
 the engine's speculation (``mtp_stream``, whose tokens are greedy's), every other request the engine's
 ``generate_step`` (mlx-lm's semantics, one step ahead through the miss check). Any other draft model goes to
@@ -59,8 +60,3 @@ def _mtp_tokens(prompt, loop: EngineLoop, stream, max_tokens: int):
                 yield token, logits - mx.logsumexp(logits, keepdims=True), from_draft
     finally:  # also when the consumer stops early (a stop string, a client gone)
         logging.info("speculative: %d steps, %d accepted drafts (K %s)", stats.steps, stats.accepted, loop.k)
-
-
-def install() -> None:
-    """Route ``stream_generate``'s draft slot through ``engine_step``, in this process."""
-    mlx_generate.speculative_generate_step = engine_step

@@ -24,25 +24,7 @@ from mlx_lm import server as mlx_server
 
 from ..config import StreamingConfig
 from ..run_settings import RunSettings
-from . import loop, require_tested_mlx_lm
-
-
-def _tag_greedy(make_sampler):
-    """mlx-lm's request sampler, marked ``greedy`` when the request's temperature is 0."""
-    def make(args, tokenizer):
-        sampler = make_sampler(args, tokenizer)
-        sampler.greedy = args.sampling.temperature == 0
-        return sampler
-    return make
-
-
-def install_engine_loop() -> None:
-    """Every request through the engine's loops (``loop.install``), greedy ones recognised by their sampler:
-    mlx-lm's server has no hook for that, so its module-level ``_make_sampler`` is replaced, in this process."""
-    loop.install()
-    if not hasattr(mlx_server._make_sampler, "tags_greedy"):
-        mlx_server._make_sampler = _tag_greedy(mlx_server._make_sampler)
-        mlx_server._make_sampler.tags_greedy = True
+from . import internals, loop, require_tested_mlx_lm
 
 
 class StreamingModelProvider(mlx_server.ModelProvider):
@@ -108,10 +90,10 @@ def serve(model_dir: Path, config: StreamingConfig, run: RunSettings, host: str,
     logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")  # as mlx_lm.server's
     provider = StreamingModelProvider(args, model_dir, config, run)
     provider.load_default()  # build now: a bad option fails here, in one line, not at the first request
-    install_engine_loop()
+    internals.install_engine_step()
+    internals.tag_greedy_requests()
     if provider.draft_model.speculate:  # a speculative step commits up to K tokens: caches may run past the key
         args.prompt_cache_size = 0
-    # mlx_server.run takes a handler_class but does not pass it on (mlx-lm 0.32.2), so its three lines are
-    # repeated here with ours; _run_http_server is private to mlx-lm's server.
+    # mlx_server.run's three lines, with our handler class
     generator = mlx_server.ResponseGenerator(provider, mlx_server.LRUPromptCache(args.prompt_cache_size))
-    mlx_server._run_http_server(host, port, generator, handler_class=StreamingAPIHandler)
+    internals.run_http_server(host, port, generator, StreamingAPIHandler)
