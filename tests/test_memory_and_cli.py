@@ -170,3 +170,14 @@ def test_a_setting_from_the_environment_is_named_on_stderr(monkeypatch, capsys):
     monkeypatch.setenv("MLX_STREAMING_K", "many")
     assert cli.main(["plan"]) == 2
     assert "environment variable MLX_STREAMING_K='many'" in capsys.readouterr().err
+
+
+def test_bench_loops_times_stream_generate_under_both_loops_beside_in_memory(model_dir):
+    from mlx_streaming.config import StreamingConfig
+    from mlx_streaming.harness import bench
+
+    report = bench.loops_report(model_dir, StreamingConfig(preload=True), RunSettings(max_tokens=6, warmup_tokens=2,
+                                                                                        repeat=1))
+    assert report["ids_equal"] and list(report["tok_s"]) == list(bench.loops.ARMS)
+    assert report["x_in_memory"][bench.loops.ARMS[0]] == 1.0 and all(v["median"] > 0 for v in report["tok_s"].values())
+    assert "streaming, engine's loop" in bench.loops_table(report)

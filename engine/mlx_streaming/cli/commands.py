@@ -222,6 +222,9 @@ def cmd_bench(args) -> None:
     elif args.overhead:
         result = bench.overhead_report(_model_dir(args), _config(args), _run(args))
         print(bench.overhead_table(result))
+    elif args.loops:
+        result = bench.loops_report(_model_dir(args), _config(args), _run(args))
+        print(bench.loops_table(result))
     else:
         result = bench.run(_model_dir(args), _config(args), _run(args), compare_inmemory=args.compare_inmemory)
         print(bench.table(result))

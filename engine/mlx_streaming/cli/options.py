@@ -139,7 +139,7 @@ BENCH_DEFAULTS = {"pool_fraction": 0.25, "io_mode": "direct"}
 
 #: ``bench``'s report options (one at a time); none: the default benchmark.
 BENCH_REPORTS = ("processes", "io", "sweep", "prefetch_report", "gate_power", "gate_power_replay", "k_report",
-                 "prefetch_auto_report", "overhead")
+                 "prefetch_auto_report", "overhead", "loops")
 
 
 def _bench_report(args):

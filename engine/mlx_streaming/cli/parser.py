@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--overhead", action="store_true",
                        help="the engine's own cost per token: in-memory vs streaming with the miss check per layer "
                             "and per forward (host syncs, wait), greedy and MTP")
+    modes.add_argument("--loops", action="store_true",
+                       help="mlx-lm's stream_generate on the streaming model, under mlx-lm's loop and the engine's "
+                            "(as chat and serve run it), against the same on mlx-lm's in-memory model, interleaved")
     modes.add_argument("--gate-power", action="store_true",
                        help="how often the perf gate catches planted 5/10/20%% slowdowns and fails an unchanged "
                             "tree, quiet and beside two busy loops (about 25 minutes here; --json FILE keeps the "

@@ -21,5 +21,7 @@ from .sweep import sweep, sweep_table, noise_floor
 from .io_report import raw_read_probe, io_ceiling, io_report, io_table
 from .auto import k_report, prefetch_auto_report, auto_table, prefetch_report, prefetch_table
 from .overhead import overhead_report, overhead_table
+from .loops import loops_report, loops_table
 
-__all__ = ["run", "table", "sweep", "sweep_table", "noise_floor", "raw_read_probe", "io_ceiling", "io_report", "io_table", "k_report", "prefetch_auto_report", "auto_table", "prefetch_report", "prefetch_table", "overhead_report", "overhead_table"]
+__all__ = ["run", "table", "sweep", "sweep_table", "noise_floor", "raw_read_probe", "io_ceiling", "io_report", "io_table", "k_report", "prefetch_auto_report", "auto_table", "prefetch_report", "prefetch_table", "overhead_report", "overhead_table",
+           "loops_report", "loops_table"]
