@@ -177,21 +177,30 @@ def _configured(args) -> bool:
     return args.command in BUILDS and not getattr(args, "gate_power_replay", None)
 
 
+#: ``bench``'s reports on one model: the option's destination -> (the report's function in ``harness.bench``, the
+#: function making its table, that function's arguments after the result).
+MODEL_REPORTS = {
+    "io": ("io_report", "io_table", ()),
+    "sweep": ("sweep", "sweep_table", ()),
+    "prefetch_report": ("prefetch_report", "prefetch_table", ()),
+    "k_report": ("k_report", "auto_table", ("K",)),
+    "prefetch_auto_report": ("prefetch_auto_report", "auto_table", ("prefetch",)),
+    "overhead": ("overhead_report", "overhead_table", ()),
+    "loops": ("loops_report", "loops_table", ()),
+}
+
+
+def _report_of(args):
+    """The ``MODEL_REPORTS`` option ``bench`` was given, or None."""
+    return next((name for name in MODEL_REPORTS if getattr(args, name, False)), None)
+
+
 def cmd_bench(args) -> None:
     from ..harness import bench
 
     if args.processes is not None:
         result = bench.noise_floor(_without(args.argv, ("--processes", "--json", "--dump-ids")), args.processes)
         print(json.dumps(result, indent=2))
-    elif args.io:
-        result = bench.io_report(_model_dir(args), _config(args), _run(args))
-        print(bench.io_table(result))
-    elif args.sweep:
-        result = bench.sweep(_model_dir(args), _config(args), _run(args))
-        print(bench.sweep_table(result))
-    elif args.prefetch_report:
-        result = bench.prefetch_report(_model_dir(args), _config(args), _run(args))
-        print(bench.prefetch_table(result))
     elif args.gate_power:
         from ..harness import gate_power
 
@@ -213,18 +222,10 @@ def cmd_bench(args) -> None:
         against = args.gate_power_baseline and _suite_baseline(args.gate_power_baseline, recorded["unit"])
         result = gate_power.replay(recorded, baseline=against or None)
         print(gate_power.table(result))
-    elif args.k_report:
-        result = bench.k_report(_model_dir(args), _config(args), _run(args))
-        print(bench.auto_table(result, "K"))
-    elif args.prefetch_auto_report:
-        result = bench.prefetch_auto_report(_model_dir(args), _config(args), _run(args))
-        print(bench.auto_table(result, "prefetch"))
-    elif args.overhead:
-        result = bench.overhead_report(_model_dir(args), _config(args), _run(args))
-        print(bench.overhead_table(result))
-    elif args.loops:
-        result = bench.loops_report(_model_dir(args), _config(args), _run(args))
-        print(bench.loops_table(result))
+    elif _report_of(args) is not None:
+        report, table, extra = MODEL_REPORTS[_report_of(args)]
+        result = getattr(bench, report)(_model_dir(args), _config(args), _run(args))
+        print(getattr(bench, table)(result, *extra))
     else:
         result = bench.run(_model_dir(args), _config(args), _run(args), compare_inmemory=args.compare_inmemory)
         print(bench.table(result))

@@ -64,31 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="FILE", help="write the full result here")
     reports = p.add_argument_group("reports (one at a time)")
     modes = reports.add_mutually_exclusive_group()
-    modes.add_argument("--sweep", action="store_true",
-                       help="greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes")
-    modes.add_argument("--io", action="store_true",
-                       help="disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)")
-    modes.add_argument("--prefetch-report", action="store_true",
-                       help="greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with diagnostics")
-    modes.add_argument("--k-report", action="store_true",
-                       help="MTP speculation at K = 1, 2, 3, 4 and auto, interleaved: tok/s and auto over the best K")
-    modes.add_argument("--prefetch-auto-report", action="store_true",
-                       help="greedy with prefetch off, on and auto, interleaved: tok/s and auto over the better")
-    modes.add_argument("--overhead", action="store_true",
-                       help="the engine's own cost per token: in-memory vs streaming with the miss check per layer "
-                            "and per forward (host syncs, wait), greedy and MTP")
-    modes.add_argument("--loops", action="store_true",
-                       help="mlx-lm's stream_generate on the streaming model, under mlx-lm's loop and the engine's "
-                            "(as chat and serve run it), against the same on mlx-lm's in-memory model, interleaved")
-    modes.add_argument("--gate-power", action="store_true",
-                       help="how often the perf gate catches planted 5/10/20%% slowdowns and fails an unchanged "
-                            "tree, quiet and beside two busy loops (about 25 minutes here; --json FILE keeps the "
-                            "recorded rounds)")
-    modes.add_argument("--processes", type=int, metavar="N",
-                       help="noise floor: run the default benchmark in N fresh processes, report the spread")
-    modes.add_argument("--gate-power-replay", metavar="FILE",
-                       help="the power study's simulated gate runs again, under the current rule, on the rounds a "
-                            "--gate-power --json FILE run recorded (nothing measured)")
+    for flag, kind, text in BENCH_MODES:
+        modes.add_argument(flag, help=text, **({"action": "store_true"} if kind is None else kind))
     reports.add_argument("--gate-power-base", metavar="REV",
                          help="with --gate-power: study the side-by-side gate instead: git revision REV's engine "
                               "(exported and built apart) in rounds alternating with this tree's, planted 10%% and "
@@ -182,3 +159,27 @@ def _command(sub, name: str, func, **texts) -> argparse.ArgumentParser:
     p = sub.add_parser(name, **texts)
     p.set_defaults(func=func)
     return p
+
+
+#: ``bench``'s report options, one at a time: (flag, its argparse keywords beyond help (None: a switch), help).
+BENCH_MODES = (
+    ("--sweep", None, "greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes"),
+    ("--io", None, "disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)"),
+    ("--prefetch-report", None, "greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with "
+                                "diagnostics"),
+    ("--k-report", None, "MTP speculation at K = 1, 2, 3, 4 and auto, interleaved: tok/s and auto over the best K"),
+    ("--prefetch-auto-report", None, "greedy with prefetch off, on and auto, interleaved: tok/s and auto over the "
+                                     "better"),
+    ("--overhead", None, "the engine's own cost per token: in-memory vs streaming with the miss check per layer and "
+                         "per forward (host syncs, wait), greedy and MTP"),
+    ("--loops", None, "mlx-lm's stream_generate on the streaming model, under mlx-lm's loop and the engine's (as chat "
+                      "and serve run it), against the same on mlx-lm's in-memory model, interleaved"),
+    ("--gate-power", None, "how often the perf gate catches planted 5/10/20%% slowdowns and fails an unchanged tree, "
+                           "quiet and beside two busy loops (about 25 minutes here; --json FILE keeps the recorded "
+                           "rounds)"),
+    ("--gate-power-replay", {"metavar": "FILE"}, "the power study's simulated gate runs again, under the current "
+                                                 "rule, on the rounds a --gate-power --json FILE run recorded "
+                                                 "(nothing measured)"),
+    ("--processes", {"type": int, "metavar": "N"}, "noise floor: run the default benchmark in N fresh processes, "
+                                                   "report the spread"),
+)
