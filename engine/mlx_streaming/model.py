@@ -24,7 +24,7 @@ from .residency.stats import ResidencyStats
 from .residency.store import ExpertStore
 from .residency.checksums import ByteVerifier
 from .checkpoint.experts import ExpertIndex
-from .checkpoint.mtp_extract import MTP_FILE
+from .checkpoint import MTP_FILE
 from .checkpoint.packed import packed_index
 from .checkpoint.safetensors import read_checkpoint_headers, read_header
 from .config import StreamingConfig

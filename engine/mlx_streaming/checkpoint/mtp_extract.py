@@ -22,7 +22,6 @@ from .output import fresh_file, writer_metadata
 from .quantize import BITS, GROUP_SIZE, quant_plan, quantize_weights
 from .safetensors import read_checkpoint_headers, read_header
 
-MTP_FILE = "mtp.safetensors"
 #: The MTP layer's MoE block, as ``mtp.load_mtp`` and the engine name it.
 MTP_PREFIX = "mtp.layers.0.mlp"
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")

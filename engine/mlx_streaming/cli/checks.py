@@ -11,6 +11,7 @@ from ..config import StreamingConfig, format_size
 from ..run_settings import RunSettings
 from ..errors import CheckpointError, ConfigError, OutputError
 from .options import _bench_report, _flag_of, _model_dir
+from ..checkpoint import MTP_FILE
 
 
 INPUT_PATHS = {"model": "folder", "packed_dir": "folder", "hf": "folder", "trace": "file",
@@ -18,7 +19,7 @@ INPUT_PATHS = {"model": "folder", "packed_dir": "folder", "hf": "folder", "trace
 #: File options a command writes once its work is done: destination -> flag.
 OUTPUT_FILES = {"json": "--json", "dump_ids": "--dump-ids", "record_trace": "--record-trace", "plot": "--plot"}
 #: Files of a model folder that must be files where they are there (a missing one is reported when read).
-MODEL_FILES = ("config.json", "model.safetensors.index.json", "model.safetensors", "mtp.safetensors",
+MODEL_FILES = ("config.json", "model.safetensors.index.json", "model.safetensors", MTP_FILE,
                "tokenizer.json", "tokenizer_config.json", "generation_config.json", "heldout.safetensors",
                "training_report.json", "heldout_pytorch.json")
 #: Counts a command takes outside the StreamingConfig: destination -> least value.

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..config import StreamingConfig, format_size
 from ..errors import ConfigError, OutputError
 from .options import _config, _model_dir, _run, _say, _with_flags
+from ..checkpoint import MTP_FILE
 
 
 def _json_file(option: str, path: str):
@@ -162,7 +163,7 @@ def _plan_of(args):
 
 def _with_head(model_dir, config):
     """``config`` with the MTP head loaded where the model folder has one (or ``--mtp-path`` names one)."""
-    return config.replace(mtp=(Path(model_dir) / "mtp.safetensors").exists() or bool(config.mtp_path))
+    return config.replace(mtp=(Path(model_dir) / MTP_FILE).exists() or bool(config.mtp_path))
 
 
 #: Commands that build a streaming model (each prints its memory plan first), and those that load the MTP head.
@@ -251,7 +252,7 @@ def cmd_repack(args) -> None:
     from ..model import open_checkpoint
 
     model_dir = _model_dir(args)
-    has_mtp = (model_dir / "mtp.safetensors").exists()
+    has_mtp = (model_dir / MTP_FILE).exists()
     print(repack(open_checkpoint(model_dir, StreamingConfig(mtp=has_mtp)).index, args.out))
 
 
@@ -262,7 +263,7 @@ def cmd_checksum(args) -> None:
     from ..model import open_checkpoint
 
     model_dir = _model_dir(args)
-    index = open_checkpoint(model_dir, StreamingConfig(mtp=(model_dir / "mtp.safetensors").exists())).index
+    index = open_checkpoint(model_dir, StreamingConfig(mtp=(model_dir / MTP_FILE).exists())).index
     targets = [(model_dir, index)] + ([(args.packed_dir, packed_index(index, args.packed_dir))] if args.packed_dir else [])
     for folder, folder_index in targets:
         existing = read_manifest(folder)

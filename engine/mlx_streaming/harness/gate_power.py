@@ -28,6 +28,7 @@ import numpy as np
 from . import perf_gate, perf_rounds
 from ..config import StreamingConfig
 from ..decode.greedy import greedy_generate, greedy_steps
+from ..checkpoint import MTP_FILE
 
 FRACTIONS = (0.05, 0.10, 0.20)
 SCENARIOS = ("full pool", "25% pool, O_DIRECT")
@@ -146,7 +147,7 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
     from .side_by_side import BaseEngine
 
     unit = perf_rounds.cost_unit()
-    mtp_path = Path(model_dir) / "mtp.safetensors"
+    mtp_path = Path(model_dir) / MTP_FILE
     engine_config = {"io_mode": config.io_mode, "pool_slots": config.pool_slots}
     plan = dict(zip(SCENARIOS, ("greedy_full_pool", "greedy_quarter_pool_direct")))
     fractions = (0.0,) + SIDE_BY_SIDE_FRACTIONS

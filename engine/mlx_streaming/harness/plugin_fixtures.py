@@ -11,6 +11,7 @@ import pytest
 
 from .oracle import ORACLE_TOKENS, GreedyOracle, file_lock
 from .pytest_plugin import ORACLE_KEY, TEST_PROMPTS, UNLOADABLE_EXACT_TOKENS, _acting, _side_by_side_base
+from ..checkpoint import MTP_FILE
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +25,7 @@ def model_dir(request) -> Path:
 @pytest.fixture(scope="session")
 def mtp_path(request, model_dir) -> Path:
     chosen = request.config.getoption("--streaming-mtp")
-    return Path(chosen) if chosen else model_dir / "mtp.safetensors"
+    return Path(chosen) if chosen else model_dir / MTP_FILE
 
 
 def _workers(config) -> int:

@@ -28,7 +28,8 @@ from tqdm import tqdm
 from ..errors import ConfigError
 from ..mtp.head import MTPHead
 from ..checkpoint.manifest import write_manifest
-from ..checkpoint.mtp_extract import MTP_FILE, convert_mtp
+from ..checkpoint import MTP_FILE
+from ..checkpoint.mtp_extract import convert_mtp
 from ..checkpoint.output import fresh_folder, writer_metadata
 from ..checkpoint.quantize import quant_plan, quantization_block, quantize_weights
 from ..checkpoint.tokenizer_files import write_byte_tokenizer

@@ -106,7 +106,7 @@ def plan_checkpoint(config: dict, shard_bytes: int = SHARD_BYTES) -> StreamPlan:
     """
     from mlx_lm.models.qwen3_next import Model, ModelArgs
 
-    from ..checkpoint.mtp_extract import MTP_FILE
+    from ..checkpoint import MTP_FILE
     from ..checkpoint.quantize import BITS, quant_plan, quantization_block
     from ..mtp.head import MTPHead
 

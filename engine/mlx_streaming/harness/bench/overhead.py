@@ -14,6 +14,7 @@ from ...run_settings import RunSettings
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
 from .common import _interleaved, _refuse_unless_inmemory_fits, _spread, timed_greedy
+from ...checkpoint import MTP_FILE
 
 
 def overhead_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
@@ -32,7 +33,7 @@ def overhead_report(model_dir: Path, config: StreamingConfig, run: RunSettings) 
     _refuse_unless_inmemory_fits(model_dir, "--overhead")
     model, tokenizer = mlx_lm.load(str(model_dir))
     prompt_ids = tokenizer.encode(run.prompt)
-    has_mtp = (Path(model_dir) / "mtp.safetensors").exists() or config.mtp_path
+    has_mtp = (Path(model_dir) / MTP_FILE).exists() or config.mtp_path
     with ExitStack() as stack:
         arms = {("mlx-lm in-memory greedy", None): _costed(_greedy_path(model, prompt_ids, config), None)}
         slots = {}
