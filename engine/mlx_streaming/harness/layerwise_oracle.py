@@ -43,8 +43,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..checkpoint.safetensors import read_checkpoint_headers
 from ..errors import CheckpointError, UnsupportedModelError
 from ..decode.greedy import greedy_generate, greedy_steps
-from ..runtime.patch import call_through
-from .layerwise_parts import LayerwiseStats, Part, direct_arrays, one_line
+from ..runtime.patch import call_through, direct_arrays
+from .layerwise_parts import LayerwiseStats, Part, one_line
 
 #: The model_types whose layerwise greedy ids and logits were checked equal (bit for bit) to mlx-lm's
 #: in-memory greedy decoding, with no weight materialized outside its part: the project's target (qwen3_next,

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import CheckpointError
+from ..runtime.patch import put_arrays
 
 
 @dataclass
@@ -66,9 +67,7 @@ class Part:
                 stored = mx.load(str(file))  # lazy: only the tensors evaluated below are read
                 fresh.extend((slot, stored[name]) for slot, name in entries)
                 del stored
-            for slot, array in fresh:
-                container, key = self.slots[slot]
-                container[key] = array
+            put_arrays([self.slots[slot] for slot, _ in fresh], [array for _, array in fresh])
             mx.eval([array for _, array in fresh])
         except Exception as exc:
             self._restore()
@@ -81,8 +80,7 @@ class Part:
         stats.max_materialized_bytes = max(stats.max_materialized_bytes, self.oracle._materialized)
 
     def _restore(self) -> None:
-        for (container, key), placeholder in zip(self.slots, self.placeholders):
-            container[key] = placeholder
+        put_arrays(self.slots, self.placeholders)
 
     def drop(self) -> None:
         self.depth -= 1
@@ -130,23 +128,3 @@ def _cache_arrays(value) -> List[mx.array]:
 def one_line(exc: Exception, limit: int = 300) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[:limit] + " ..."
-
-
-def direct_arrays(module):
-    """(dotted key relative to ``module``, the dict or list holding it, its key or index there, the array) for
-    each array ``module`` holds itself (directly or in plain lists / dicts), not through a child module."""
-    import mlx.nn as nn
-
-    def walk(container, prefix, items):
-        for key, value in items:
-            dotted = f"{prefix}{key}"
-            if isinstance(value, mx.array):
-                yield dotted, container, key, value
-            elif isinstance(value, nn.Module):
-                continue
-            elif isinstance(value, dict):
-                yield from walk(value, dotted + ".", value.items())
-            elif isinstance(value, list):
-                yield from walk(value, dotted + ".", enumerate(value))
-
-    yield from walk(module, "", module.items())

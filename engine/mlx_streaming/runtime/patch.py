@@ -5,7 +5,9 @@ Every edit is composition or a per-instance subclass:
 - ``wrap_layers``: each decoder layer calls the predictor first (prefetch);
 - ``defer_miss_checks``: the model's call and its decoder stack's run under the store's miss check;
 - ``install_state_capture``: Qwen3-Next's Gated-DeltaNet mixers keep their state per position (MTP direct commit);
-- ``call_through``: an instance's methods run through a callable (also the layer-by-layer oracle's part loading).
+- ``call_through``: an instance's methods run through a callable (also the layer-by-layer oracle's part loading);
+- ``direct_arrays`` / ``put_arrays``: a module's own arrays found where they sit, and swapped (the layer-by-layer
+  oracle's weights in and out of a part).
 """
 
 from __future__ import annotations
@@ -187,3 +189,29 @@ def install_state_capture(model) -> None:
     for layer in map(unwrap, model.layers):
         if layer.is_linear and not isinstance(layer.linear_attn, StateCapture):
             layer.linear_attn = StateCapture(layer.linear_attn)
+
+
+# ------------------------------------------------------------ a module's own arrays, swapped in place
+
+def direct_arrays(module):
+    """(dotted key relative to ``module``, the dict or list holding it, its key or index there, the array) for
+    each array ``module`` holds itself (directly or in plain lists / dicts), not through a child module."""
+    def walk(container, prefix, items):
+        for key, value in items:
+            dotted = f"{prefix}{key}"
+            if isinstance(value, mx.array):
+                yield dotted, container, key, value
+            elif isinstance(value, nn.Module):
+                continue
+            elif isinstance(value, dict):
+                yield from walk(value, dotted + ".", value.items())
+            elif isinstance(value, list):
+                yield from walk(value, dotted + ".", enumerate(value))
+
+    yield from walk(module, "", module.items())
+
+
+def put_arrays(slots: List[Tuple[object, object]], arrays: List[mx.array]) -> None:
+    """Put each of ``arrays`` where its slot (container, key) of ``direct_arrays`` says."""
+    for (container, key), array in zip(slots, arrays):
+        container[key] = array
