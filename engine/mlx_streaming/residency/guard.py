@@ -128,19 +128,17 @@ class MissGuard:
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()
         keys = self.pool.keys(routes, hosted)
-        if not self.pool.all_resident(keys):
-            self.counters.route_s += time.perf_counter() - start
-            self.counters.deferred_retries += 1
-            self._missed = True
-            return False
-        if self._only_counted():
+        resident, counted = self.pool.all_resident(keys), self._only_counted()
+        if resident and counted:
             self.counters.fastpath += len(routes)
             self.counters.hits += len(set(keys.tolist()))
-            self.counters.route_s += time.perf_counter() - start
-            return True
         self.counters.route_s += time.perf_counter() - start
-        self._account(routes, hosted)
-        return True
+        if not resident:
+            self.counters.deferred_retries += 1
+            self._missed = True
+        elif not counted:
+            self._account(routes, hosted)
+        return resident
 
     # ------------------------------------------------------------ a complete pool: counted later, in bulk
 
