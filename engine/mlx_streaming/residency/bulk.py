@@ -2,8 +2,8 @@
 
 Where every expert is resident and nothing but the hit counters watches routes, no forward can miss, so none
 waits for its check: each forward's routes are kept, and every ``COUNT_EVERY`` forwards the ones before the
-newest are counted (a decode loop has read their tokens back, so their routes are on the host's side already
-and counting them waits for nothing in flight), the rest at ``stats()``.
+newest are counted, their routes brought to the host in one transfer (which waits for the step in flight, once
+per ``COUNT_EVERY`` forwards), the rest at ``stats()``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import List
 
+import mlx.core as mx
 import numpy as np
 
 from .pool import ExpertPool
@@ -41,8 +42,8 @@ class BulkCount:
         split = len(self._uncounted) - keep_newest
         forwards, self._uncounted = self._uncounted[:split], self._uncounted[split:]
         routes = [route for forward in forwards for route in forward]
-        start = time.perf_counter()
-        hosted = np.concatenate([np.array(indices).reshape(-1) for _, indices in routes])
+        start = time.perf_counter()  # one transfer: an array each costs more than the wait for the step in flight
+        hosted = np.array(mx.concatenate([indices.reshape(-1) for _, indices in routes]))
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()

@@ -104,12 +104,17 @@ def unwrap(layer: nn.Module) -> nn.Module:
 def _under_guard(store) -> Callable:
     """``around`` for ``call_through``: one forward (the model's call or its decoder stack's) under the store's
     miss check (``residency.guard.MissGuard``), with what restores its caches should it run again."""
-    signatures: Dict[Callable, inspect.Signature] = {}
+    #: per original method: (its first argument's name, the cache's position among its positional arguments)
+    arguments: Dict[Callable, Tuple[Optional[str], Optional[int]]] = {}
 
     def around(original, module, args, kwargs):
-        signature = signatures.setdefault(original, inspect.signature(original))
-        bound = signature.bind(module, *args, **kwargs).arguments
-        inputs, cache = next(iter(list(bound.values())[1:]), None), bound.get("cache")
+        if original not in arguments:  # read once: a signature costs more than the rest of this call
+            names = list(inspect.signature(original).parameters)[1:]
+            arguments[original] = (names[0] if names else None, names.index("cache") if "cache" in names else None)
+        first, cache_at = arguments[original]
+        inputs = args[0] if args else kwargs.get(first)
+        cache = kwargs["cache"] if "cache" in kwargs else (
+            args[cache_at] if cache_at is not None and cache_at < len(args) else None)
         tokens = inputs.shape[1] if isinstance(inputs, mx.array) and inputs.ndim > 1 else 1 << 30
 
         def snapshot():
