@@ -62,7 +62,7 @@ SUPPORTED_MODEL_TYPES = (
     "solar_open", "step3p5",
 )
 
-#: Prompt tokens per prefill forward; the in-memory oracle (``generate.greedy_steps``) uses the same, so both
+#: Prompt tokens per prefill forward; the in-memory oracle (``decode.greedy.greedy_steps``) uses the same, so both
 #: run the same computations.
 PREFILL_CHUNK = 256
 
@@ -179,6 +179,6 @@ class LayerwiseOracle:
 def greedy(path, prompt_ids: Sequence[int], max_tokens: int) -> Tuple[List[int], List[tuple]]:
     """Greedy decoding of mlx-lm's model of ``path`` without holding it: (ids, each step's ``top2_margin``).
 
-    The ids are mlx-lm's in-memory greedy ids; each margin is ``generate.top2_margin`` of the logits the id was
+    The ids are mlx-lm's in-memory greedy ids; each margin is ``decode.greedy.top2_margin`` of the logits the id was
     taken from (its third field is the top-1 minus top-2 logit gap)."""
     return LayerwiseOracle(path).greedy(prompt_ids, max_tokens)

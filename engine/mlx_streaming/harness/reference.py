@@ -3,7 +3,7 @@
 Where mlx-lm's in-memory model fits, the suite's oracle computes greedy decoding live and keeps its logits, so
 the strongest checks (bit-identical logits) run. Where it does not, the suite checks against a reference recorded
 once (``pytest --streaming-record-reference``): for each test prompt, the greedy ids and, per step, the top-2 ids
-and their logit margin (``generate.top2_margin``). The file names the model it belongs to (``model_identity``: its config, its checksum
+and their logit margin (``decode.greedy.top2_margin``). The file names the model it belongs to (``model_identity``: its config, its checksum
 manifest and its weight files' names and sizes), the oracle that made it (in memory, or layer by layer) and the
 mlx / mlx-lm versions; a reference for another model is refused in one line. It is kept beside the perf
 baselines (in this project ``baselines/references/<model folder>-<identity>.json``).

@@ -128,7 +128,7 @@ def _under_guard(store) -> Callable:
 
 def defer_miss_checks(model: nn.Module, sites: Mapping[int, ExpertSite], store) -> None:
     """Run every forward of ``model`` under the store's miss check: its own call (so that the check evaluates
-    the logits with the routes: one wait per token), and its decoder stack's (the module holding its layers
+    the logits with the routes: one wait per forward), and its decoder stack's (the module holding its layers
     list, where that is not the model itself: the MTP drafter and verify call it for its hidden states)."""
     around = _under_guard(store)
     keys = next(iter(sites.values())).prefix.split(".")

@@ -32,7 +32,7 @@ class StreamingSwitch(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, guard, layer = self._store, self._store.guard, self.layer
-        if guard.deferring:  # no sync here: slots come from the device-side table, misses are checked per token
+        if guard.deferring:  # no sync here: slots come from the device-side table, misses are checked per forward
             return self.pool_mlp(x, guard.defer(layer, indices))
         if guard.count_call_later(layer, indices):  # a complete pool: nothing to load, nothing to check
             return self.pool_mlp(x, indices)
