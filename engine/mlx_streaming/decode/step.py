@@ -10,12 +10,13 @@ confirmed one step late (``ahead.run_ahead``): a step rerun after a miss draws t
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, Callable, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
-import importlib
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
 
 from .ahead import run_ahead
 
@@ -58,7 +59,7 @@ def generate_step(prompt: mx.array, model, stream=mlx_generate.generation_stream
     progress = prompt_progress_callback or (lambda *_: None)
     quantize_cache = functools.partial(mlx_generate.maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start,
                                        kv_group_size=kv_group_size, kv_bits=kv_bits)
-    sampler = sampler or (lambda logprobs: mx.argmax(logprobs, axis=-1))
+    sampler = sampler or greedy_sampler
     history = [None]  # the tokens the logits processors see (mlx-lm's ``tokens``)
 
     def step(input_tokens: mx.array) -> Tuple[mx.array, mx.array]:

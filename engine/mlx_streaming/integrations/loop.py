@@ -13,13 +13,12 @@ mlx-lm's own function. In the draft slot ``stream_generate`` drops ``prompt_prog
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import mlx.core as mx
 
-#: The module (``mlx_lm.generate`` as an attribute is the package's ``generate`` function).
-mlx_generate = importlib.import_module("mlx_lm.generate")
+from ..decode.step import generate_step, mlx_generate
+
 _MLX_SPECULATIVE_STEP = mlx_generate.speculative_generate_step
 
 
@@ -40,8 +39,6 @@ def engine_step(prompt, model, draft_model, stream=mlx_generate.generation_strea
     """``speculative_generate_step`` for ``stream_generate``: ``(token, logprobs, from_draft)``."""
     if not isinstance(draft_model, EngineLoop):
         return _MLX_SPECULATIVE_STEP(prompt, model, draft_model, stream, **kwargs)
-    from ..decode.step import generate_step
-
     kwargs.pop("num_draft_tokens", None)
     greedy = getattr(kwargs.get("sampler"), "greedy", False) and not kwargs.get("logits_processors")
     if not (greedy and draft_model.speculate):
