@@ -1,7 +1,9 @@
 """The deferred miss check: one host sync per forward when the routed experts are resident, the same ids and
 the same counters as checking at every MoE layer, and a correct rerun when an expert was missing."""
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.decode.greedy import greedy_generate, greedy_steps
@@ -81,19 +83,34 @@ def test_a_preloaded_pool_is_counted_in_bulk_as_the_per_layer_path_counts(model_
     assert token_stats["deferred_forwards"] == TOKENS and token_stats["host_syncs"] == 1
 
 
+def _two_token_forwards(model, prompt, n):
+    """``n`` forwards of two tokens each after a prefill of ``prompt``, on one cache."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt)[None], cache=cache))
+    for i in range(n):
+        mx.eval(model(mx.array(prompt[i % 8:i % 8 + 2])[None], cache=cache))
+
+
 def test_bulk_counts_wait_once_per_count_every_forwards_and_a_reset_drops_them(model_dir, prompt_ids):
+    """A preloaded pool counts a one-token forward at once (its router's k experts, distinct) and a longer one in
+    bulk: one wait per ``COUNT_EVERY`` such forwards, and one at ``stats``; the hits are the per-layer path's."""
     from mlx_streaming.residency.bulk import COUNT_EVERY
 
     prompt = prompt_ids[0]
-    with build_streaming_model(model_dir, StreamingConfig(preload=True)) as sm:
-        greedy_generate(sm.model, prompt, 8)
-        sm.store.reset_stats()  # the 8 forwards above are not counted
-        greedy_generate(sm.model, prompt, COUNT_EVERY + 2)  # prefill + COUNT_EVERY + 1 decode forwards
-        bulk = sm.store.stats()
-        assert bulk["host_syncs"] == 2 and bulk["fastpath"] == (COUNT_EVERY + 2) * 8
-    with build_streaming_model(model_dir, StreamingConfig(preload=True, miss_check="layer")) as sm:
-        greedy_generate(sm.model, prompt, COUNT_EVERY + 2)
-        assert sm.store.stats()["hits"] == bulk["hits"]
+    runs = {}
+    for miss_check in ("forward", "layer"):
+        with build_streaming_model(model_dir, StreamingConfig(preload=True, miss_check=miss_check)) as sm:
+            greedy_generate(sm.model, prompt, 8)
+            sm.store.reset_stats()  # the 8 forwards above are not counted
+            greedy_generate(sm.model, prompt, COUNT_EVERY + 2)  # a prefill, then COUNT_EVERY + 1 one-token forwards
+            decoded = sm.store.stats()
+            sm.store.reset_stats()
+            _two_token_forwards(sm.model, prompt, COUNT_EVERY)  # with the prefill, COUNT_EVERY + 1 longer forwards
+            runs[miss_check] = decoded, sm.store.stats()
+    (decoded, longer), (layer_decoded, layer_longer) = runs["forward"], runs["layer"]
+    assert decoded["host_syncs"] == 1 and decoded["fastpath"] == (COUNT_EVERY + 2) * 8  # the prefill's, at stats
+    assert longer["host_syncs"] == 2 and longer["fastpath"] == (COUNT_EVERY + 1) * 8
+    assert decoded["hits"] == layer_decoded["hits"] > 0 and longer["hits"] == layer_longer["hits"] > 0
 
 
 def test_preload_needs_a_pool_that_holds_every_expert(model_dir):

@@ -1,9 +1,10 @@
 """BulkCount: the hits of a complete pool's forwards, counted many forwards at a time.
 
 Where every expert is resident and nothing but the hit counters watches routes, no forward can miss, so none
-waits for its check: each forward's routes are kept, and every ``COUNT_EVERY`` forwards the ones before the
-newest are counted, their routes brought to the host in one transfer (which waits for the step in flight, once
-per ``COUNT_EVERY`` forwards), the rest at ``stats()``.
+waits for its check. A forward of one token hits its router's k distinct experts per layer: counted at once,
+from the routes' shapes. A longer forward's routes are kept, and every ``COUNT_EVERY`` such forwards the ones
+before the newest are counted, their routes brought to the host in one transfer (which waits for the step in
+flight), the rest at ``stats()``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ class BulkCount:
         self._uncounted: List[List[tuple]] = []
 
     def keep(self, routes: List[tuple]) -> None:
-        """One forward's routes ((layer, indices) pairs, lazy), to be counted later."""
+        """One forward's routes ((layer, indices) pairs, lazy), to be counted later; a forward of one token is
+        counted now, with no transfer: a token's routed experts are its router's top k, distinct."""
         self.counters.fastpath += len(routes)
+        if all(indices.size == indices.shape[-1] for _, indices in routes):
+            self.counters.hits += sum(indices.size for _, indices in routes)
+            return
         self._uncounted.append(routes)
         if len(self._uncounted) > COUNT_EVERY:
             self.count(keep_newest=True)

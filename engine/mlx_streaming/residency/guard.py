@@ -57,7 +57,8 @@ class MissGuard:
         #: slowdown a test injects).
         self.forward_hooks: List[Callable[[int], None]] = []
         self.deferring = False
-        self._in_forward = False
+        #: Inside ``run``'s outermost entry (read by the model's wrappers: an inner entry goes straight through).
+        self.in_forward = False
         self._deferred: List[tuple] = []
         #: Deferred forwards not yet confirmed, oldest first (``queueing``), and where ``_queue`` puts new ones.
         self._queued: List[QueuedCheck] = []
@@ -72,14 +73,16 @@ class MissGuard:
         """One forward of ``tokens`` tokens, ``call()``; ``snapshot()`` returns what restores the caches to now
         (None where they cannot be restored: then the forward checks layer by layer). Only the outermost entry
         counts (a model's call runs its decoder stack's)."""
-        if self._in_forward:
+        if self.in_forward:
             return call()
-        self._in_forward = True
+        self.in_forward = True
         try:
             self._previous_missed, self._missed = self._missed, False
             for hook in self.forward_hooks:
                 hook(tokens)
-            restore = (lambda: None) if self.counts_later else snapshot()  # never rerun: nothing to restore
+            if self.counts_later:  # no forward can miss: nothing to restore, nothing to check
+                return self._counted_later(tokens, call)
+            restore = snapshot()
             if restore is None or not self._begin(tokens):
                 return call()
             out = call()
@@ -88,11 +91,20 @@ class MissGuard:
             restore()
             return call()
         finally:
-            self._in_forward = False
+            self.in_forward = False
+
+    def _counted_later(self, tokens: int, call: Callable[[], mx.array]) -> mx.array:
+        """A forward of a complete pool: its routes kept to be counted in bulk, or, where it is too long to
+        defer, each layer's counted as it runs (``count_call_later``)."""
+        if not self._begin(tokens):
+            return call()
+        out = call()
+        self.bulk.keep(self._close())
+        return out
 
     def note_miss(self) -> None:
         """A MoE layer call of the running forward routed to an expert not resident."""
-        self._missed |= self._in_forward
+        self._missed |= self.in_forward
 
     def _begin(self, tokens: int) -> bool:
         """Whether this forward defers its check: "forward" checks, a short call, and the forward before it found

@@ -25,7 +25,7 @@ FIELDS = {
     "grouped": "MoE layer calls that routed to more experts than fit and ran in groups",
     "host_syncs": "the engine's waits for the device on the forward path: routes or predictions brought to the "
                   "host, pool writes and expert groups evaluated, the deferred check, a preloaded pool's hit count (one per "
-                  "bulk.COUNT_EVERY forwards, and one at stats())",
+                  "bulk.COUNT_EVERY forwards of several tokens, and one at stats())",
     "sync_s": "seconds spent in those waits",
     "route_s": "seconds of host bookkeeping of routes: distinct experts, residency and miss checks, LRU touches, "
                "hit counts (not waits, reads or placement)",

@@ -107,7 +107,11 @@ def _under_guard(store) -> Callable:
     #: per original method: (its first argument's name, the cache's position among its positional arguments)
     arguments: Dict[Callable, Tuple[Optional[str], Optional[int]]] = {}
 
+    guard = store.guard
+
     def around(original, module, args, kwargs):
+        if guard.in_forward:  # the decoder stack's call inside the model's: one forward, already guarded
+            return original(module, *args, **kwargs)
         if original not in arguments:  # read once: a signature costs more than the rest of this call
             names = list(inspect.signature(original).parameters)[1:]
             arguments[original] = (names[0] if names else None, names.index("cache") if "cache" in names else None)
@@ -121,7 +125,7 @@ def _under_guard(store) -> Callable:
             saved = snapshot_caches(cache)
             return None if saved is None else lambda: restore_caches(cache, saved)
 
-        return store.guard.run(tokens, lambda: original(module, *args, **kwargs), snapshot)
+        return guard.run(tokens, lambda: original(module, *args, **kwargs), snapshot)
 
     return around
 
