@@ -215,6 +215,31 @@ def test_streamed_writer_holds_a_few_blocks_and_writes_a_model_mlx_lm_runs(tmp_p
     assert np.corrcoef(norms, hot)[0, 1] > 0.9 and norms.max() / norms.min() > 1.5
 
 
+def test_float32_variant_stores_what_is_not_packed_as_float32_and_streams_exactly(tmp_path):
+    """``--dtype float32`` (for MLX's CPU backend): the same packed weights, scales, biases and norms in float32;
+    mlx-lm computes in float32 and the streaming model at a small pool gives its greedy ids."""
+    from mlx_lm import load
+
+    config = synth_plan.sized_config({**NARROW, "num_experts": 512}, layers=4, dtype="float32")
+    out = tmp_path / "narrow32"
+    out.mkdir()
+    write_checkpoint(out, config, seed=0)
+    plan = plan_checkpoint(config)
+    dtypes = {s.name.rpartition(".")[2]: s.dtype for s in plan.files["model.safetensors"] if s.is_expert}
+    assert dtypes == {"weight": "U32", "scales": "F32", "biases": "F32"}
+    assert {t.dtype for t in read_checkpoint_headers(out).values()} == {"U32", "F32"}
+    model, tokenizer = load(str(out))
+    prompt = tokenizer.encode("def fibonacci(n):")
+    assert model(mx.array([prompt])).dtype == mx.float32
+    expected = greedy_generate(model, prompt, 8)
+    with build_streaming_model(out, StreamingConfig(pool_slots=16)) as sm:
+        assert greedy_generate(sm.model, prompt, 8) == expected and sm.store.stats()["misses"] > 0
+    done = _cli("synth", "--preset", "small", "--dtype", "float32", "--out", tmp_path / "s")
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 2 and len(errors) == 1 and "--dtype float32" in errors[0], done.stderr
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("args", [["--preset", "small"], ["--preset", "qwen3-next-80b", "--layers", "4"]],
                          ids=["small", "qwen3-next-80b"])
 def test_ctrl_c_in_synth_exits_130_in_one_line_and_leaves_nothing_half_written(tmp_path, args):

@@ -64,7 +64,8 @@ def cmd_synth(args) -> None:
         return
     from ..harness.synth import synth_checkpoint
 
-    print(synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout, layers=args.layers))
+    print(synth_checkpoint(args.out, preset=args.preset, seed=args.seed, layout=args.layout, layers=args.layers,
+                          dtype=args.dtype))
 
 
 def cmd_generate(args) -> None:

@@ -89,15 +89,22 @@ _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q
                  "pre_fc_norm_hidden.weight")
 
 
-def preset_config(preset: str, vocab_size: Optional[int] = None, layers: Optional[int] = None) -> dict:
+def preset_config(preset: str, vocab_size: Optional[int] = None, layers: Optional[int] = None,
+                  dtype: str = "bfloat16") -> dict:
     """config.json (before quantization) of ``preset``, with ``layers`` decoder layers instead of its own;
-    ``layers`` below ``full_attention_interval`` (4) is refused: mlx-lm's model needs a full-attention layer."""
-    from .synth_plan import QWEN3_NEXT_80B, sized_config
+    ``layers`` below ``full_attention_interval`` (4) is refused: mlx-lm's model needs a full-attention layer.
+    ``dtype`` other than bfloat16 (what is not packed stored as float32) is written for the streamed preset."""
+    from .synth_plan import FLOAT_DTYPES, QWEN3_NEXT_80B, sized_config
 
     if preset not in PRESET_NAMES:
         raise ConfigError(f"preset must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
+    if dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
     if preset in STREAMED:
-        return sized_config(QWEN3_NEXT_80B, layers)
+        return sized_config(QWEN3_NEXT_80B, layers, dtype)
+    if dtype != "bfloat16":
+        raise ConfigError(f"--dtype {dtype}: written for preset {', '.join(STREAMED)} only; preset {preset} is "
+                          f"bfloat16")
     sizes = {k: v for k, v in PRESETS[preset].items() if k != "shard_mb"}
     return sized_config({**sizes, "vocab_size": vocab_size}, layers)
 
@@ -192,13 +199,14 @@ class _ShardWriter:
 
 
 def synth_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0, layout: str = "mlx",
-                     layers: Optional[int] = None) -> Path:
+                     layers: Optional[int] = None, dtype: str = "bfloat16") -> Path:
     """Write a synthetic checkpoint to ``out_dir`` and return it. ``out_dir`` must be new, empty, or written
     by this project earlier (then it is replaced whole, once the new one is complete); the mlx layout gets a
-    checksum manifest of its experts. ``layers`` keeps every per-layer shape with that many decoder layers."""
+    checksum manifest of its experts. ``layers`` keeps every per-layer shape with that many decoder layers;
+    ``dtype`` float32 stores what is not packed as float32 (the streamed preset only)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    config = preset_config(preset, layers=layers, vocab_size=0)  # refuses a bad preset or layer count first
+    config = preset_config(preset, layers=layers, vocab_size=0, dtype=dtype)  # refuses bad input first
     if preset in STREAMED:
         if layout != "mlx":
             raise ConfigError(f"layout {layout} is not written for preset {preset} (it would be "

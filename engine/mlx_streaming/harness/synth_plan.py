@@ -31,11 +31,16 @@ SHARD_BYTES = 5 << 30
 GROUP_SIZE = 64
 
 
-def sized_config(sizes: dict, layers: Optional[int] = None) -> dict:
-    """The full config.json (before quantization) for ``sizes``, with ``layers`` decoder layers."""
+#: config.json's ``torch_dtype`` -> the safetensors dtype of the unquantized tensors, scales and biases.
+FLOAT_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
+
+
+def sized_config(sizes: dict, layers: Optional[int] = None, dtype: str = "bfloat16") -> dict:
+    """The full config.json (before quantization) for ``sizes``, with ``layers`` decoder layers and ``dtype`` (a
+    key of ``FLOAT_DTYPES``) for what is not packed."""
     from .synth import BASE_CONFIG
 
-    config = {**BASE_CONFIG, **sizes}
+    config = {**BASE_CONFIG, **sizes, "torch_dtype": dtype}
     if layers is not None:
         config["num_hidden_layers"] = layers
     n = config["num_hidden_layers"]
@@ -49,7 +54,7 @@ def sized_config(sizes: dict, layers: Optional[int] = None) -> dict:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of the MLX layout: ``dtype`` U32 (packed) or BF16; ``bits`` of its module when quantized."""
+    """One tensor of the MLX layout: ``dtype`` U32 (packed), BF16 or F32; ``bits`` of its module when quantized."""
 
     name: str
     dtype: str
@@ -58,7 +63,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * (4 if self.dtype == "U32" else 2)
+        return int(np.prod(self.shape, dtype=np.int64)) * (2 if self.dtype == "BF16" else 4)
 
     @property
     def is_expert(self) -> bool:
@@ -84,8 +89,9 @@ class StreamPlan:
         return next(s for specs in self.files.values() for s in specs if s.name == name)
 
 
-def _specs(module, plan: Dict[str, dict], prefix: str) -> List[TensorSpec]:
-    """The quantized layout of ``module`` (lazy: nothing is allocated) under ``plan``, as ``TensorSpec``s."""
+def _specs(module, plan: Dict[str, dict], prefix: str, floats: str) -> List[TensorSpec]:
+    """The quantized layout of ``module`` (lazy: nothing is allocated) under ``plan``, as ``TensorSpec``s, what
+    is not packed stored as ``floats``."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -95,7 +101,7 @@ def _specs(module, plan: Dict[str, dict], prefix: str) -> List[TensorSpec]:
     for name, value in tree_flatten(module.parameters()):
         base, _, part = name.rpartition(".")
         bits = plan[base]["bits"] if base in plan and part in ("weight", "scales", "biases") else 0
-        specs.append(TensorSpec(prefix + name, "U32" if value.dtype == mx.uint32 else "BF16", tuple(value.shape), bits))
+        specs.append(TensorSpec(prefix + name, "U32" if value.dtype == mx.uint32 else floats, tuple(value.shape), bits))
     return specs
 
 
@@ -113,7 +119,8 @@ def plan_checkpoint(config: dict, shard_bytes: int = SHARD_BYTES) -> StreamPlan:
     args = ModelArgs.from_dict(config)
     model = Model(args)
     plan = quant_plan(model, model.quant_predicate)
-    main = _specs(model, plan, "")
+    floats = FLOAT_DTYPES[config["torch_dtype"]]
+    main = _specs(model, plan, "", floats)
     predicate = model.quant_predicate
 
     def with_bits(path, module):  # as checkpoint.mtp_extract.convert_mtp quantizes the head
@@ -121,7 +128,7 @@ def plan_checkpoint(config: dict, shard_bytes: int = SHARD_BYTES) -> StreamPlan:
         return choice if isinstance(choice, dict) else {"group_size": GROUP_SIZE, "bits": BITS}
 
     head = MTPHead(args)
-    mtp = _specs(head, quant_plan(head, with_bits), "mtp.")
+    mtp = _specs(head, quant_plan(head, with_bits), "mtp.", floats)
 
     # mlx_lm.utils.make_shards, then save_model's names
     groups: List[List[TensorSpec]] = []

@@ -89,11 +89,21 @@ def _scales(spec: TensorSpec, seed: int, block: int, r0: int, shape: tuple) -> n
     return scales
 
 
+def _stored(spec: TensorSpec, values: np.ndarray) -> np.ndarray:
+    """float32 ``values`` as ``spec`` stores them: bfloat16 bits (uint16), or float32."""
+    return to_bf16(values) if spec.dtype == "BF16" else values.astype(np.float32)
+
+
+def _as_stored(spec: TensorSpec, values: np.ndarray) -> np.ndarray:
+    """float32 ``values`` rounded as ``spec`` stores them."""
+    return from_bf16(to_bf16(values)) if spec.dtype == "BF16" else values
+
+
 def tensor_blocks(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:
-    """The bytes of ``spec`` as arrays (uint32 words, or uint16 bfloat16 bits) of whole rows of its first
+    """The bytes of ``spec`` as arrays (uint32 words, uint16 bfloat16 bits or float32) of whole rows of its first
     axis, at most ``BLOCK_BYTES`` (or one row) each; block ``b`` is drawn from seed (seed, name, b)."""
     if not spec.shape:
-        yield to_bf16(_plain(spec.name, (), _rng(seed, spec.name, 0)))
+        yield _stored(spec, _plain(spec.name, (), _rng(seed, spec.name, 0)))
         return
     rows = spec.shape[0]
     unit = max(1, BLOCK_BYTES // (spec.nbytes // rows))
@@ -103,12 +113,12 @@ def tensor_blocks(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:
         if spec.bits and part == "weight":
             yield _raw(_rng(seed, spec.name, block), int(np.prod(shape)), np.uint32).reshape(shape)
         elif spec.bits and part == "scales":
-            yield to_bf16(_scales(spec, seed, block, r0, shape))
+            yield _stored(spec, _scales(spec, seed, block, r0, shape))
         elif spec.bits and part == "biases":  # zero mean: bias = -(levels - 1) / 2 * scale, of the scale as stored
             mid = np.float32(((1 << spec.bits) - 1) / 2)
-            yield to_bf16(-mid * from_bf16(to_bf16(_scales(spec, seed, block, r0, shape))))
+            yield _stored(spec, -mid * _as_stored(spec, _scales(spec, seed, block, r0, shape)))
         else:
-            yield to_bf16(_plain(spec.name, shape, _rng(seed, spec.name, block)))
+            yield _stored(spec, _plain(spec.name, shape, _rng(seed, spec.name, block)))
 
 
 # ----------------------------------------------------------------------------- files
