@@ -47,17 +47,17 @@ def run_ahead(model, step: Step, first: tuple, max_tokens: int, rewind: Rewind =
     the last token is queued too, and when the loop ends (exhausted or closed) its check is confirmed and a miss
     run again: the caches then hold what mlx-lm's own loop leaves. Without it a loop stopped one step ahead
     drops the step it queued, unchecked."""
-    guard = getattr(getattr(model, "streaming_store", None), "guard", None)
+    guard = guard_of(model)
     current, unconfirmed, pending = first, None, None
     n = 0
     try:
         while n != max_tokens:
             if feed_last or n + 1 != max_tokens:
-                pending = _queue(guard, step, current[0], rewind)
-            if unconfirmed is not None and not _confirm(guard, unconfirmed):
+                pending = queue_step(guard, step, current[0], rewind)
+            if unconfirmed is not None and not confirm_step(guard, unconfirmed):
                 current = step(unconfirmed.token)
                 if pending is not None:
-                    pending = _queue(guard, step, current[0], rewind)
+                    pending = queue_step(guard, step, current[0], rewind)
             yield current
             n += 1
             unconfirmed, pending = pending, None
@@ -65,18 +65,24 @@ def run_ahead(model, step: Step, first: tuple, max_tokens: int, rewind: Rewind =
                 current = unconfirmed.result
     finally:
         outstanding = pending or unconfirmed  # closed at a yield, or ended with the step after the last token
-        if guard is not None and feed_last and outstanding is not None and not _confirm(guard, outstanding):
+        if guard is not None and feed_last and outstanding is not None and not confirm_step(guard, outstanding):
             mx.eval(*_arrays(step(outstanding.token)))
         if guard is not None:
             guard.drop_queued()
+
+
+def guard_of(model):
+    """The miss check of a streaming model (``MissGuard``); None for any other model."""
+    return getattr(getattr(model, "streaming_store", None), "guard", None)
 
 
 def _arrays(result: tuple) -> list:
     return [r for r in result if isinstance(r, mx.array)]
 
 
-def _queue(guard, step: Step, token: mx.array, rewind: Rewind) -> _Queued:
-    """The step after ``token``, queued on the device with its forward's check."""
+def queue_step(guard, step: Step, token: mx.array, rewind: Rewind = _nothing_to_rewind) -> _Queued:
+    """The step after ``token``, queued on the device with its forward's check (``guard``: ``guard_of`` the
+    model)."""
     undo = rewind()
     if guard is None:
         result, checks = step(token), ()
@@ -88,7 +94,7 @@ def _queue(guard, step: Step, token: mx.array, rewind: Rewind) -> _Queued:
     return _Queued(result, checks[0] if checks else None, undo, token)
 
 
-def _confirm(guard, queued: _Queued) -> bool:
+def confirm_step(guard, queued: _Queued) -> bool:
     """Whether ``queued``'s forward found its experts resident; if not, its caches and the loop's state are back
     to before it (the step behind it dropped), for the caller to run it again."""
     if queued.check is None or guard.confirm(queued.check):

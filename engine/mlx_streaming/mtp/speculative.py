@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..runtime.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
 from ..run_settings import COMMIT_MODES
+from ..decode.ahead import confirm_step, guard_of, queue_step
 from ..decode.greedy import prefill_chunked
 from .autok import KChooser
 
@@ -187,18 +188,12 @@ def _verify(model, ids: mx.array, cache, captures) -> Tuple[mx.array, mx.array]:
     a streaming model its miss check is queued with it and confirmed while the output layer still runs (the loop
     waits once, not once inside the model call and again for the logits); on a miss the caches are back to
     before it (``MissGuard.confirm``) and it runs again, its experts loaded."""
-    guard = getattr(getattr(model, "streaming_store", None), "guard", None)
+    guard = guard_of(model)
     for c in captures:
         c.capturing = True
     try:
-        if guard is None:
-            logits, hidden = forward_with_hidden(model, ids, cache)
-        else:
-            with guard.queueing() as checks:
-                logits, hidden = forward_with_hidden(model, ids, cache)
-            mx.async_eval(logits, hidden, *(check.flat for check in checks))
-            if checks and not guard.confirm(checks[0]):
-                logits, hidden = forward_with_hidden(model, ids, cache)
+        queued = queue_step(guard, lambda _: forward_with_hidden(model, ids, cache), ids)
+        logits, hidden = queued.result if confirm_step(guard, queued) else forward_with_hidden(model, ids, cache)
         mx.eval(logits, hidden)
         return logits, hidden
     finally:

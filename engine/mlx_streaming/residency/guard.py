@@ -63,7 +63,7 @@ class MissGuard:
         #: Deferred forwards not yet confirmed, oldest first (``queueing``), and where ``_queue`` puts new ones.
         self._queued: List[QueuedCheck] = []
         self._queue_into: Optional[list] = None
-        #: Forwards of a complete pool, kept to be counted in bulk (``_count_later``).
+        #: Forwards of a complete pool, kept to be counted in bulk (``counts_later``).
         self.bulk = BulkCount(pool, counters)
         #: Whether the forward running and the one before it found a routed expert not resident.
         self._missed = self._previous_missed = False
@@ -80,8 +80,12 @@ class MissGuard:
             self._previous_missed, self._missed = self._missed, False
             for hook in self.forward_hooks:
                 hook(tokens)
-            if self.counts_later:  # no forward can miss: nothing to restore, nothing to check
-                return self._counted_later(tokens, call)
+            if self.counts_later:  # no forward can miss: routes counted in bulk (a long forward's layer by layer)
+                if not self._begin(tokens):
+                    return call()
+                out = call()
+                self.bulk.keep(self._close())
+                return out
             restore = snapshot()
             if restore is None or not self._begin(tokens):
                 return call()
@@ -92,15 +96,6 @@ class MissGuard:
             return call()
         finally:
             self.in_forward = False
-
-    def _counted_later(self, tokens: int, call: Callable[[], mx.array]) -> mx.array:
-        """A forward of a complete pool: its routes kept to be counted in bulk, or, where it is too long to
-        defer, each layer's counted as it runs (``count_call_later``)."""
-        if not self._begin(tokens):
-            return call()
-        out = call()
-        self.bulk.keep(self._close())
-        return out
 
     def note_miss(self) -> None:
         """A MoE layer call of the running forward routed to an expert not resident."""
@@ -128,7 +123,7 @@ class MissGuard:
 
     def _end(self, output: mx.array) -> bool:
         routes = self._close()
-        return self._count_later(routes) or self._check(routes, _flat(routes), output)
+        return self._check(routes, _flat(routes), output)
 
     def _check(self, routes: List[tuple], flat: mx.array, output: mx.array) -> bool:
         """Evaluate a deferred forward's ``output`` and routes (one sync); when every routed expert was resident,
@@ -160,17 +155,13 @@ class MissGuard:
         nothing but the hit counters watches routes. Such a forward never runs again."""
         return self.pool.complete and self.miss_check == "forward" and self._only_counted()
 
-    def _count_later(self, routes: List[tuple]) -> bool:
-        """Where ``counts_later``, keep ``routes`` to be counted with others (``bulk.BulkCount``) and return True."""
-        if not self.counts_later:
-            return False
-        self.bulk.keep(routes)
-        return True
-
     def count_call_later(self, layer: int, indices: mx.array) -> bool:
         """One MoE layer call outside a deferred forward (a long prefill, the MTP head), counted later as a
-        forward of one layer where the pool is complete; else False."""
-        return self._count_later([(layer, indices)])
+        forward of one layer where ``counts_later``; else False."""
+        if not self.counts_later:
+            return False
+        self.bulk.keep([(layer, indices)])
+        return True
 
     # ------------------------------------------------------------ checks queued by a decode loop one step ahead
 
@@ -190,8 +181,6 @@ class MissGuard:
         if self._queue_into is None:
             return False
         routes = self._close()
-        if self._count_later(routes):
-            return True
         check = QueuedCheck(routes, _flat(routes), output, restore)
         self._queued.append(check)
         self._queue_into.append(check)
