@@ -15,8 +15,9 @@ ARMS = ("mlx-lm in memory", "streaming, mlx-lm's loop", "streaming, engine's loo
 
 
 def loops_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
-    """Median decode tok/s of each arm (``stream_generate``'s own count, after the prefill), each over in-memory's,
-    and whether every run's ids were the same."""
+    """Median decode tok/s of each arm (``stream_generate``'s own count, after the prefill); each arm over
+    in-memory as the median of its rounds' ratios (a round's arms run back to back, so a machine whose speed
+    drifts between rounds moves both alike); and whether every run's ids were the same."""
     import mlx_lm
 
     from ...integrations import internals, loop
@@ -36,10 +37,10 @@ def loops_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> 
         arms = dict(zip(ARMS, (arm(inmemory), arm(sm.model), arm(sm.model, draft_model=engine))))
         rates, runs = _interleaved("loops", arms, run)
         pool_slots = sm.store.capacity
-    medians = {name: statistics.median(v) for name, v in rates.items()}
     return {"model": str(model_dir), "pool_slots": pool_slots, "io_mode": config.io_mode, "preload": config.preload,
             "max_tokens": run.max_tokens, "repeat": run.repeat, "tok_s": {name: _spread(v) for name, v in rates.items()},
-            "x_in_memory": {name: medians[name] / medians[ARMS[0]] for name in ARMS},
+            "x_in_memory": {name: statistics.median(a / b for a, b in zip(rates[name], rates[ARMS[0]]))
+                            for name in ARMS},
             "ids_equal": len({tuple(ids) for arm_runs in runs.values() for ids, _ in arm_runs}) == 1}
 
 
@@ -47,7 +48,7 @@ def loops_table(report: dict) -> str:
     from tabulate import tabulate
 
     body = [[name, v["median"], v["min"], v["max"], report["x_in_memory"][name]] for name, v in report["tok_s"].items()]
-    return (tabulate(body, headers=["stream_generate on", "tok/s (median)", "min", "max", "x in-memory"], floatfmt=".3f")
+    return (tabulate(body, headers=["stream_generate on", "tok/s (median)", "min", "max", "x in-memory (median of rounds)"], floatfmt=".3f")
             + f"\npool {report['pool_slots']} slots{' (preloaded)' if report['preload'] else ''}, {report['io_mode']}, "
               f"{report['max_tokens']} tokens x {report['repeat']} rounds, arms interleaved; every run's ids equal: "
               f"{report['ids_equal']}")
