@@ -74,3 +74,27 @@ def test_admit_touches_the_routed_experts_and_names_the_missing_ones():
     p.place(11)
     assert p.admit([10, 12]) == [12]  # 10 touched: 11 is now the oldest
     assert p.place(12, protected={10, 12}) == (p.slot(12), 11)
+
+
+def test_touches_made_in_bulk_evict_as_touches_made_one_by_one():
+    """A pool's resident forwards touch every layer's LRU order at once (``ExpertPool.touch`` writes ticks into a
+    row ``LRUSlots`` applies before its order is next read): the evictions are those of touching one by one."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    pending = np.full(32, -1, dtype=np.int64)
+    one_by_one, bulk = LRUSlots(8), LRUSlots(8, pending=pending)
+    tick, evictions = 0, 0
+    for _ in range(400):
+        routed = sorted(set(rng.zipf(1.5, 4).clip(1, 32) - 1))
+        if all(bulk.slot(e) is not None for e in routed):  # a resident forward: touched in bulk
+            pending[routed] = tick + np.arange(len(routed))
+            tick += len(routed)
+            assert one_by_one.admit(routed) == []
+            continue
+        assert bulk.admit(routed) == one_by_one.admit(routed)
+        for e in [e for e in routed if bulk.slot(e) is None]:
+            placed = bulk.place(e, set(routed))
+            assert placed == one_by_one.place(e, set(routed))
+            evictions += placed[1] is not None
+    assert evictions > 20 and tick > 100  # both kinds of step happened, often

@@ -47,10 +47,11 @@ def _flat(routes: List[tuple]) -> mx.array:
 
 class MissGuard:
     def __init__(self, pool: ExpertPool, counters: ResidencyStats, miss_check: str,
-                 account: Callable[[List[tuple], np.ndarray], None], only_counted: Callable[[], bool]):
-        """``miss_check``: "forward" (defer where it can) or "layer" (never). ``account(routes, hosted)`` accounts
-        a checked forward's routes layer by layer (recency, recording, prediction); ``only_counted()`` says
-        whether nothing but the hit counters watches routes, so that a checked forward is counted in one pass."""
+                 account: Callable[[List[tuple], np.ndarray, np.ndarray], None], only_counted: Callable[[], bool]):
+        """``miss_check``: "forward" (defer where it can) or "layer" (never). ``account(routes, hosted, keys)``
+        accounts a checked forward's routes as the per-layer path would (recency, hits, recording, prediction);
+        ``only_counted()`` says whether nothing but the hit counters watches routes (then a complete pool's
+        forwards are counted in bulk)."""
         self.pool, self.counters, self.miss_check = pool, counters, miss_check
         self._account, self._only_counted = account, only_counted
         #: Called with the forward's token count when a forward starts (the prefetch switch, or a planted
@@ -135,16 +136,13 @@ class MissGuard:
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()
         keys = self.pool.keys(routes, hosted)
-        resident, counted = self.pool.all_resident(keys), self._only_counted()
-        if resident and counted:
-            self.counters.fastpath += len(routes)
-            self.counters.hits += len(set(keys.tolist()))
+        resident = self.pool.all_resident(keys)
         self.counters.route_s += time.perf_counter() - start
         if not resident:
             self.counters.deferred_retries += 1
             self._missed = True
-        elif not counted:
-            self._account(routes, hosted)
+        else:
+            self._account(routes, hosted, keys)
         return resident
 
     # ------------------------------------------------------------ a complete pool: counted later, in bulk

@@ -1,9 +1,11 @@
-"""Slot bookkeeping and LRU eviction for one MoE layer's pool. Pure Python: no MLX, no I/O."""
+"""Slot bookkeeping and LRU eviction for one MoE layer's pool. No MLX, no I/O."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..errors import PoolTooSmallError
 
@@ -12,9 +14,12 @@ class LRUSlots:
     """Which expert sits in which of ``capacity`` slots; unpinned residents are evicted least recently used first.
     With ``identity`` (a pool with a slot for every expert: nothing is ever evicted) expert e sits in slot e."""
 
-    def __init__(self, capacity: int, identity: bool = False):
+    def __init__(self, capacity: int, identity: bool = False, pending: Optional[np.ndarray] = None):
+        """``pending``: this layer's row of touches made in bulk (``ExpertPool.touch``), a tick per expert (-1: not
+        touched since), applied to the LRU order, oldest tick first, before the order is next read or changed."""
         self.capacity = capacity
         self.identity = identity
+        self._pending = pending
         self._slot_of: Dict[int, int] = {}
         self._recency: "OrderedDict[int, None]" = OrderedDict()  # unpinned residents, oldest first
         self._pinned: set = set()
@@ -24,8 +29,19 @@ class LRUSlots:
         return self._slot_of.get(expert)
 
     def touch(self, expert: int) -> None:
+        self._apply_pending()
         if expert in self._recency:
             self._recency.move_to_end(expert)
+
+    def _apply_pending(self) -> None:
+        if self._pending is None:
+            return
+        touched = np.flatnonzero(self._pending >= 0)
+        if touched.size:
+            for expert in touched[np.argsort(self._pending[touched])].tolist():
+                if expert in self._recency:
+                    self._recency.move_to_end(expert)
+            self._pending[touched] = -1
 
     def admit(self, experts: Sequence[int]) -> List[int]:
         """One call's ``experts`` are routed: touch each; the ones not resident, in order (the caller places
@@ -40,6 +56,7 @@ class LRUSlots:
         ``protected`` (the experts the current step needs). Returns (slot, evicted expert or None)."""
         if expert in self._slot_of:
             raise ValueError(f"expert {expert} is already resident")
+        self._apply_pending()
         evicted = None
         if self.identity:
             slot = expert

@@ -39,7 +39,11 @@ class ExpertPool:
         mx.eval(self.arrays)
         #: A pool with a slot for every expert keeps expert e in slot e: routes index it directly.
         self.identity = self.capacity == index.num_experts
-        self.policies = {layer: LRUSlots(self.capacity, self.identity) for layer in index.layers}
+        #: Per layer, a tick per expert touched in bulk (``touch``) and not yet applied to its LRU order.
+        self._pending = np.full((len(index.layers), index.num_experts), -1, dtype=np.int64)
+        self._tick = 0
+        self.policies = {layer: LRUSlots(self.capacity, self.identity, self._pending[row])
+                         for row, layer in enumerate(index.layers)}
         #: Per layer, expert id -> slot (-1: not resident). A route's key in the table flattened is
         #: ``_key_base[layer] + expert``: one number per (layer, expert), which a check both looks up and counts.
         self._table = np.full((len(index.layers), index.num_experts), -1, dtype=np.int32)
@@ -77,6 +81,15 @@ class ExpertPool:
 
     def all_resident(self, keys: np.ndarray) -> bool:
         return bool((self._table.reshape(-1)[keys] >= 0).all())
+
+    def touch(self, keys: np.ndarray) -> int:
+        """A resident forward's routes (``keys``), touched in every layer's LRU order at once: each layer's
+        distinct experts in ascending order, as the per-layer path touches them (applied by each layer's
+        ``LRUSlots`` when its order is next read). Returns how many distinct (layer, expert) were routed."""
+        distinct = np.unique(keys)
+        self._pending.reshape(-1)[distinct] = self._tick + np.arange(distinct.size)
+        self._tick += distinct.size
+        return distinct.size
 
     @property
     def table_size(self) -> int:

@@ -118,18 +118,29 @@ class ExpertStore:
         self.counters.grouped += len(groups) > 1
         return groups
 
-    def _account(self, routes: List[tuple], hosted: np.ndarray) -> None:
-        """A checked forward's routes, accounted layer by layer as the per-layer path accounts them."""
+    def _account(self, routes: List[tuple], hosted: np.ndarray, keys: np.ndarray) -> None:
+        """A checked forward's routes (every routed expert resident; ``keys``: ``pool.keys`` of them), accounted
+        as the per-layer path accounts them: where only recency and the hit counters watch, every layer at once;
+        else layer by layer."""
+        if self._only_recency():
+            start = time.perf_counter()
+            self.counters.fastpath += len(routes)
+            self.counters.hits += self.pool.touch(keys)
+            self.counters.route_s += time.perf_counter() - start
+            return
         sizes = [indices.size for _, indices in routes]
         for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1])):
             self.acquire(layer, self.route(layer, routed.reshape(indices.shape)))
             self.layer_done(layer)
 
+    def _only_recency(self) -> bool:
+        """Whether a forward whose routed experts were all resident changes nothing but the LRU order and the
+        hit counters: no recorder, route log, predictor or prefetcher."""
+        return not self.record and self.route_log is None and self.predictor is None and self.prefetcher is None
+
     def _only_counted(self) -> bool:
-        """Whether a forward whose routed experts were all resident changes nothing but the hit counters: a pool
-        holding every expert (no recency to touch) with no recorder, route log, predictor or prefetcher."""
-        return (self.pool.identity and not self.record and self.route_log is None and self.predictor is None
-                and self.prefetcher is None)
+        """``_only_recency`` on a pool holding every expert (no recency to touch): only the hit counters."""
+        return self.pool.identity and self._only_recency()
 
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
         """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
