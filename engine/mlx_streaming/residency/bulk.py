@@ -12,10 +12,9 @@ from __future__ import annotations
 import time
 from typing import List
 
-import mlx.core as mx
 import numpy as np
 
-from .pool import ExpertPool
+from .pool import ExpertPool, flat_routes
 from .stats import ResidencyStats
 
 #: A complete pool's forwards are counted in batches of this many.
@@ -48,7 +47,7 @@ class BulkCount:
         forwards, self._uncounted = self._uncounted[:split], self._uncounted[split:]
         routes = [route for forward in forwards for route in forward]
         start = time.perf_counter()  # one transfer: an array each costs more than the wait for the step in flight
-        hosted = np.array(mx.concatenate([indices.reshape(-1) for _, indices in routes]))
+        hosted = np.array(flat_routes(routes)).reshape(-1)
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()

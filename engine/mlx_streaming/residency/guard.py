@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .bulk import BulkCount
-from .pool import ExpertPool
+from .pool import ExpertPool, flat_routes
 from .stats import ResidencyStats
 
 #: Forwards of more tokens than this check layer by layer: a rerun of a long prefill chunk would cost more
@@ -38,11 +38,6 @@ class QueuedCheck:
     flat: mx.array
     output: mx.array
     restore: Callable[[], None]
-
-
-def _flat(routes: List[tuple]) -> mx.array:
-    """Every route of ``routes`` ((layer, indices) pairs) in one lazy array, in order."""
-    return mx.concatenate([indices.reshape(-1) for _, indices in routes]) if routes else mx.zeros((0,), mx.uint32)
 
 
 class MissGuard:
@@ -124,14 +119,14 @@ class MissGuard:
 
     def _end(self, output: mx.array) -> bool:
         routes = self._close()
-        return self._check(routes, _flat(routes), output)
+        return self._check(routes, flat_routes(routes), output)
 
     def _check(self, routes: List[tuple], flat: mx.array, output: mx.array) -> bool:
         """Evaluate a deferred forward's ``output`` and routes (one sync); when every routed expert was resident,
         account them and return True; else change nothing and return False (the caller reruns it)."""
         start = time.perf_counter()
         mx.eval(output, flat)
-        hosted = np.array(flat)
+        hosted = np.array(flat).reshape(-1)
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
         start = time.perf_counter()
@@ -179,7 +174,7 @@ class MissGuard:
         if self._queue_into is None:
             return False
         routes = self._close()
-        check = QueuedCheck(routes, _flat(routes), output, restore)
+        check = QueuedCheck(routes, flat_routes(routes), output, restore)
         self._queued.append(check)
         self._queue_into.append(check)
         return True

@@ -26,6 +26,18 @@ def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
     return arr.view(mx.bfloat16) if dtype == "BF16" else arr
 
 
+def flat_routes(routes: List[tuple]) -> mx.array:
+    """Every route of ``routes`` ((layer, indices) pairs) in one lazy array whose row-major order is theirs, in
+    order (``ExpertPool.keys`` reads it flattened): one concatenation along the first axis where their other
+    axes agree (each route stays contiguous), else of each flattened."""
+    arrays = [indices for _, indices in routes]
+    if not arrays:
+        return mx.zeros((0,), mx.uint32)
+    if arrays[0].ndim and len({a.shape[1:] for a in arrays}) == 1:
+        return mx.concatenate(arrays, axis=0)
+    return mx.concatenate([a.reshape(-1) for a in arrays])
+
+
 class ExpertPool:
     def __init__(self, index: ExpertIndex, capacity: int):
         self.index = index
