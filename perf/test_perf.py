@@ -59,8 +59,8 @@ def yardstick(perf_yardstick, perf):
 
 
 @pytest.fixture
-def run_scenario(benchmark, yardstick, perf_yardstick, model_dir, mtp_path, streaming_config, prompt_ids, perf, plant_s,
-                 perf_base):
+def run_scenario(benchmark, yardstick, perf_yardstick, model_dir, mtp_path, streaming_config, memory_plan, prompt_ids,
+                 perf, plant_s, perf_base):
     """``run_scenario(name)``: ``benchmark.pedantic`` over the scenario's rounds on a newly built model, each after
     its yardstick round (and, side by side, after a round of the base revision's engine). Records each round's
     token costs and its yardstick's in the gate's unit, the wall seconds, the first timed round's work counters,
@@ -69,7 +69,7 @@ def run_scenario(benchmark, yardstick, perf_yardstick, model_dir, mtp_path, stre
 
     def run(name: str) -> None:
         scenario = perf_rounds.SCENARIOS[name]
-        if scenario.pool == "full" and streaming_config.memory_budget is not None:
+        if scenario.pool == "full" and not memory_plan.fits:
             pytest.skip(f"{model_dir} does not fit in memory: the full-pool scenario (compute alone) needs every "
                         "expert resident")
         sm = perf_rounds.build(model_dir, mtp_path, streaming_config, scenario, plant_s)
@@ -101,7 +101,8 @@ def run_scenario(benchmark, yardstick, perf_yardstick, model_dir, mtp_path, stre
         benchmark.extra_info.update(
             unit=rounds.unit, costs=[r["costs"] for r in timed], yard_costs=yard_costs,
             wall_s_per_token=[r["wall"] for r in timed], tokens=perf["tokens"], counters=timed[0]["counters"],
-            exact=list(scenario.exact), threshold=threshold, yardstick=perf_yardstick.label)
+            exact=list(scenario.exact), threshold=threshold, yardstick=perf_yardstick.label,
+            pool_slots=sm.store.capacity)
         if perf_base.engine is not None and all(base):
             benchmark.extra_info["base"] = {"costs": [r["costs"] for r in base],
                                             "yard_costs": [r["yard_costs"] for r in base],

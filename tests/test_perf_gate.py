@@ -75,6 +75,17 @@ def test_any_exact_counter_change_fails_even_a_smaller_one():
     assert sorted(check for check, _ in fails) == ["host_syncs/token", "routed/token"]
 
 
+def test_counters_of_another_pool_are_not_compared_and_the_line_says_how_to_pin_it():
+    """A memory budget derived from what is free may give a baseline one pool and a later run another: their
+    counters cannot match, so the gate names the pools and the option instead of failing every counter."""
+    base = {"greedy": {**BASE["greedy"], "pool_slots": 27}}
+    same_pool = _info(_rounds(0.1, 0.03, seed=2), _rounds(0.1, 0.03, seed=52), host_syncs=10.0)
+    assert [check for check, _ in _failed({"greedy": {**same_pool, "pool_slots": 27}}, base)] == ["host_syncs/token"]
+    fails = _failed({"greedy": {**same_pool, "pool_slots": 28}}, base)
+    assert fails == [("pool_slots", "the work counters compare only at the baseline's pool: pin it with "
+                                    "--streaming-pool-slots=27")]
+
+
 def test_costs_are_compared_only_in_one_unit_on_one_machine_profile_and_with_yardstick_rounds():
     slow = {"greedy": _info(_rounds(0.2, 0.03))}
     assert _failed(slow) != [] and _failed(slow, same=False) == []

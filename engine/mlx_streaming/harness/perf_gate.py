@@ -142,7 +142,11 @@ def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], store
         if base is None and "base" not in now:
             rows.append(Row(scenario, "-", "-", "-", "no baseline: not checked", False))
             continue
-        for name in (base or {}).get("exact", []):
+        pools = (base or {}).get("pool_slots"), now.get("pool_slots")
+        if None not in pools and pools[0] != pools[1]:  # a memory budget gave another pool: no counter compares
+            rows.append(Row(scenario, "pool_slots", pools[0], pools[1], "the work counters compare only at the "
+                            f"baseline's pool: pin it with --streaming-pool-slots={pools[0]}", True))
+        for name in (base or {}).get("exact", []) if pools[0] == pools[1] or None in pools else []:
             b, c = base["counters"].get(name), now.get("counters", {}).get(name)
             rows.append(Row(scenario, f"{name}/token", b, c, "exact", b != c))
         judged_at = now.get("threshold", COMPUTE_THRESHOLD) if threshold is None else threshold

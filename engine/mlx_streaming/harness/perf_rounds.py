@@ -141,13 +141,17 @@ class PlantedSlowdown:
 
 def quarter_pool(model_dir, config):
     """``config`` with a quarter of each MoE layer's experts resident, or, where ``config`` sets a memory budget
-    (the suite's, for a model that does not fit), that budget's pool where it is less."""
+    (the suite's, for a model that does not fit) or a pool (``--streaming-pool-slots``), that pool where it is
+    less."""
     quarter = config.with_pool(pool_fraction=0.25)
-    if config.memory_budget is None:
+    if config.memory_budget is None and config.pool_slots is None:
         return quarter
     from mlx_streaming.model import plan_memory, within_budget
 
-    return within_budget(model_dir, config, plan_memory(model_dir, quarter).slots)
+    slots = plan_memory(model_dir, quarter).slots
+    if config.pool_slots is not None:
+        return config.with_pool(pool_slots=min(slots, config.pool_slots))
+    return within_budget(model_dir, config, slots)
 
 
 def greedy_round(model, prompt, tokens: int) -> Callable[[str], tuple]:

@@ -56,16 +56,18 @@ MODELS_AT_ONCE = 3
 @pytest.fixture(scope="session")
 def streaming_config(request, memory_plan):
     """The suite's engine settings. With no pool option, every expert is resident where the in-memory model
-    fits. Where it does not, the models the suite holds at once share the memory budget this process may take,
-    and byte-truth verification is on: then the oracle is a recorded reference, and verification shows the
+    fits. Where it does not, the models the suite holds at once share the memory budget this process may take
+    (or each takes the pool ``--streaming-pool-slots`` pins), and byte-truth verification is on: then the oracle is a recorded reference, and verification shows the
     streamed bytes are the checkpoint's."""
     from ..config import StreamingConfig
     from ..plan import AUTO_BUDGET_SHARE
 
     slots = request.config.getoption("--streaming-pool-slots")
     io_mode = request.config.getoption("--streaming-io-mode")
-    if slots or memory_plan.fits:
+    if memory_plan.fits:
         return StreamingConfig(pool_slots=slots, io_mode=io_mode)
+    if slots:  # a pool pinned instead of the budget's (a perf baseline's, whose counters compare at its pool)
+        return StreamingConfig(pool_slots=slots, io_mode=io_mode, verify=True)
     budget = int(memory_plan.available * AUTO_BUDGET_SHARE / MODELS_AT_ONCE)
     return StreamingConfig(memory_budget=budget, io_mode=io_mode, verify=True)
 
