@@ -30,6 +30,9 @@ class LRUSlots:
 
     def touch(self, expert: int) -> None:
         self._apply_pending()
+        self._newest(expert)
+
+    def _newest(self, expert: int) -> None:
         if expert in self._recency:
             self._recency.move_to_end(expert)
 
@@ -39,16 +42,16 @@ class LRUSlots:
         touched = np.flatnonzero(self._pending >= 0)
         if touched.size:
             for expert in touched[np.argsort(self._pending[touched])].tolist():
-                if expert in self._recency:
-                    self._recency.move_to_end(expert)
+                self._newest(expert)
             self._pending[touched] = -1
 
     def admit(self, experts: Sequence[int]) -> List[int]:
         """One call's ``experts`` are routed: touch each; the ones not resident, in order (the caller places
         them, protected by ``experts``)."""
         missing = [e for e in experts if e not in self._slot_of]
+        self._apply_pending()  # once per call, not per expert: it scans the layer's pending row
         for e in experts:
-            self.touch(e)
+            self._newest(e)
         return missing
 
     def place(self, expert: int, protected: Collection[int] = ()) -> Tuple[int, Optional[int]]:
