@@ -142,13 +142,14 @@ def check(current: Mapping[str, Mapping], baseline: Mapping[str, Mapping], store
         if base is None and "base" not in now:
             rows.append(Row(scenario, "-", "-", "-", "no baseline: not checked", False))
             continue
-        pools = (base or {}).get("pool_slots"), now.get("pool_slots")
-        if None not in pools and pools[0] != pools[1]:  # a memory budget gave another pool: no counter compares
-            rows.append(Row(scenario, "pool_slots", pools[0], pools[1], "the work counters compare only at the "
-                            f"baseline's pool: pin it with --streaming-pool-slots={pools[0]}", True))
-        for name in (base or {}).get("exact", []) if pools[0] == pools[1] or None in pools else []:
-            b, c = base["counters"].get(name), now.get("counters", {}).get(name)
-            rows.append(Row(scenario, f"{name}/token", b, c, "exact", b != c))
+        base_pool, pool = (base or {}).get("pool_slots"), now.get("pool_slots")
+        if None not in (base_pool, pool) and base_pool != pool:  # a memory budget gave another pool
+            rows.append(Row(scenario, "pool_slots", base_pool, pool, "the work counters compare only at the "
+                            f"baseline's pool: pin it with --streaming-pool-slots={base_pool}", True))
+        else:
+            for name in (base or {}).get("exact", []):
+                b, c = base["counters"].get(name), now.get("counters", {}).get(name)
+                rows.append(Row(scenario, f"{name}/token", b, c, "exact", b != c))
         judged_at = now.get("threshold", COMPUTE_THRESHOLD) if threshold is None else threshold
         if "base" in now:
             rows.append(_cost_row(scenario, {**now["base"], "unit": now.get("unit")}, now, None, judged_at,
