@@ -193,13 +193,43 @@ def test_the_power_study_replays_against_a_baseline_the_suite_saved():
                             for test in gate_power.SUITE_TESTS.values()]}
     against = gate_power.suite_baseline(saved)
     assert against["unit"] == "cpu_s_per_token" and set(against["pools"]) == set(gate_power.SCENARIOS)
-    report = gate_power.replay(recorded, runs=20, baseline=against["pools"])
+    assert against["yardstick"] == "mlx-lm in memory, this model"  # what a baseline without the label was measured by
+    report = gate_power.replay(recorded, runs=20, baseline=against)
     assert [r["fail_rate"] for r in report["rows"]] == [0.0, 1.0]
     assert "all 30 baseline rounds" in gate_power.table(report)
     own = gate_power.replay(recorded, runs=20)  # the study's own pool: drawn as a recording, at most its size
     assert all(own["rounds"][s][0] == min(gate_power.BASELINE_ROUNDS[s], 30) for s in gate_power.SCENARIOS)
-    with pytest.raises(ValueError, match="test_greedy_full_pool"):
-        gate_power.suite_baseline({"benchmarks": saved["benchmarks"][1:]})
+    # on a model that does not fit, the suite skips the full pool: the 25% scenario's rounds alone
+    assert list(gate_power.suite_baseline({"benchmarks": saved["benchmarks"][1:]})["pools"]) == [gate_power.SCENARIOS[1]]
+    with pytest.raises(ValueError, match="test_greedy_full_pool or test_greedy_quarter_pool_direct"):
+        gate_power.suite_baseline({"benchmarks": []})
+
+
+def test_the_power_study_replays_each_yardstick_and_a_suite_baseline_against_its_own():
+    from mlx_streaming.harness import gate_power
+    from mlx_streaming.harness.perf_rounds import EMBEDDED_YARDSTICK, OWN_YARDSTICK
+
+    def pool(median, seed, yard=0.1):
+        return ([_rounds(median, 0.03, n=4, seed=seed + i) for i in range(30)],
+                [_rounds(yard, 0.03, n=4, seed=seed + 50 + i) for i in range(30)])
+
+    def study(slow_yardstick):  # the same scenario rounds; a yardstick slowed in the +0% pool would hide nothing
+        return {"baseline": {s: pool(0.1, 0) for s in gate_power.SCENARIOS},
+                "pools": {"busy +0%": {s: pool(0.2, 100, yard=0.2 if slow_yardstick else 0.1)
+                                       for s in gate_power.SCENARIOS}}}
+
+    recorded = {"unit": "cpu_s_per_token", "cost_per_token": {s: 0.1 for s in gate_power.SCENARIOS}, "tokens": 4,
+                "yardsticks": {OWN_YARDSTICK: study(True), EMBEDDED_YARDSTICK: study(False)}}
+    report = gate_power.replay(recorded, runs=20)
+    rates = {label: [r["fail_rate"] for r in one["rows"]] for label, one in report["yardsticks"].items()}
+    assert rates == {OWN_YARDSTICK: [0.0], EMBEDDED_YARDSTICK: [1.0]}  # drift cancelled by one, not the other
+    table = gate_power.table(report)
+    assert f"yardstick: {OWN_YARDSTICK}\n" in table and f"yardstick: {EMBEDDED_YARDSTICK}\n" in table
+    saved = {"unit": "cpu_s_per_token", "pools": {s: pool(0.1, 300) for s in gate_power.SCENARIOS},
+             "yardstick": f"{EMBEDDED_YARDSTICK} (this model does not fit in memory)"}
+    assert list(gate_power.replay(recorded, runs=20, baseline=saved)["yardsticks"]) == [EMBEDDED_YARDSTICK]
+    with pytest.raises(ValueError, match="measured against the yardstick"):
+        gate_power.replay({**recorded, "yardsticks": {OWN_YARDSTICK: study(True)}}, runs=20, baseline=saved)
 
 
 def test_the_side_by_side_power_study_draws_each_pool_against_the_base_recorded_beside_it():

@@ -23,9 +23,13 @@ def _json_file(option: str, path: str):
 def _recorded_pools(path: str) -> dict:
     """The pools a ``bench --gate-power --json FILE`` run recorded."""
     recorded = _json_file("--gate-power-replay", path)
-    needed = ("bases" if isinstance(recorded, dict) and "bases" in recorded else "baseline", "pools", "tokens", "unit",
-              "cost_per_token")
-    missing = [key for key in needed if not isinstance(recorded, dict) or key not in recorded]
+    recorded = recorded if isinstance(recorded, dict) else {}
+    studies = recorded.get("yardsticks")  # one study per yardstick, or the file is one study
+    studies = list(studies.values()) if isinstance(studies, dict) and studies else [recorded]
+    missing = [key for key in ("tokens", "unit", "cost_per_token") if key not in recorded]
+    for study in (s if isinstance(s, dict) else {} for s in studies):
+        missing += [key for key in ("bases" if "bases" in study else "baseline", "pools")
+                    if key not in study and key not in missing]
     if missing:
         raise ConfigError(f"--gate-power-replay {path}: not a `bench --gate-power --json` file "
                           f"(no {', '.join(missing)})")
@@ -33,7 +37,8 @@ def _recorded_pools(path: str) -> dict:
 
 
 def _suite_baseline(path: str, unit: str) -> dict:
-    """The power study's scenarios' rounds from a baseline the perf suite saved, in the recorded pools' unit."""
+    """The power study's scenarios' rounds from a baseline the perf suite saved, in the recorded pools' unit, with
+    the yardstick the suite measured them against (``gate_power.suite_baseline``)."""
     from ..harness import gate_power
 
     saved = _json_file("--gate-power-baseline", path)
@@ -44,7 +49,7 @@ def _suite_baseline(path: str, unit: str) -> dict:
     if baseline["unit"] != unit:
         raise ConfigError(f"--gate-power-baseline {path}: its costs are in {baseline['unit']}, the recorded pools' "
                           f"in {unit}")
-    return baseline["pools"]
+    return baseline
 
 
 def _write_json(path: str, result) -> None:
@@ -215,14 +220,18 @@ def cmd_bench(args) -> None:
             except BaseUnavailable as exc:
                 raise ConfigError(f"--gate-power-base {args.gate_power_base}: {exc}") from None
         else:
-            result = gate_power.study(_model_dir(args), _config(args), _run(args).prompt)
+            result = gate_power.study(_model_dir(args), _config(args), _run(args).prompt,
+                                      tokens=args.max_tokens or gate_power.TOKENS)
         print(gate_power.table(result))
     elif args.gate_power_replay:
         from ..harness import gate_power
 
         recorded = _recorded_pools(args.gate_power_replay)
         against = args.gate_power_baseline and _suite_baseline(args.gate_power_baseline, recorded["unit"])
-        result = gate_power.replay(recorded, baseline=against or None)
+        try:
+            result = gate_power.replay(recorded, baseline=against or None)
+        except ValueError as exc:
+            raise ConfigError(f"--gate-power-baseline {args.gate_power_baseline}: {exc}") from None
         print(gate_power.table(result))
     elif _report_of(args) is not None:
         report, table, extra = MODEL_REPORTS[_report_of(args)]

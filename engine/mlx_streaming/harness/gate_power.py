@@ -26,9 +26,12 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import perf_gate, perf_rounds
+from .perf_rounds import Yardstick
 from ..config import StreamingConfig
-from ..decode.greedy import greedy_generate, greedy_steps
 from ..checkpoint import MTP_FILE
+from ..decode.greedy import greedy_generate, greedy_steps
+from ..defaults import default_model
+from ..plan import auto_memory_budget
 
 FRACTIONS = (0.05, 0.10, 0.20)
 SCENARIOS = ("full pool", "25% pool, O_DIRECT")
@@ -38,6 +41,8 @@ ROUNDS = dict(zip(SCENARIOS, (perf_gate.COMPUTE_ROUNDS, perf_gate.DISK_ROUNDS)))
 BASELINE_ROUNDS = {scenario: perf_gate.BASELINE_ROUNDS_FACTOR * n for scenario, n in ROUNDS.items()}
 #: Each scenario's twin in the perf suite, by its test's name in a pytest-benchmark baseline.
 SUITE_TESTS = dict(zip(SCENARIOS, ("test_greedy_full_pool", "test_greedy_quarter_pool_direct")))
+#: Tokens per round, unless ``--max-tokens`` says otherwise (the suite's ``--streaming-perf-tokens``).
+TOKENS = 16
 
 
 def _say(text: str) -> None:
@@ -48,23 +53,23 @@ def _busy_neighbours(n: int) -> list:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def _record(models: Dict, reference, prompt, tokens: int, rounds: Dict[str, int], plants: Dict[str, float],
+def _record(models: Dict, yardsticks: Dict, prompt, tokens: int, rounds: Dict[str, int], plants: Dict[str, float],
             unit: str) -> Dict:
-    """``rounds[scenario]`` round pairs (the scenario's token costs, its yardstick's) per scenario,
-    ``plants[scenario]`` CPU seconds burnt per forward of that scenario's model; the scenarios' rounds
-    interleaved while each has rounds left."""
-
-    def costs(model) -> list:
-        return perf_rounds.token_costs(greedy_steps(model, prompt, tokens), unit)[0]
-
-    pairs = {scenario: ([], []) for scenario in models}
+    """``rounds[scenario]`` rounds per scenario, each just after a round of every yardstick (in turn first and
+    last, so neither is always the nearer), ``plants[scenario]`` CPU seconds burnt per forward of that scenario's
+    model; the scenarios' rounds interleaved while each has rounds left. Per yardstick, per scenario: (the
+    scenario's rounds' token costs, that yardstick's rounds' token costs)."""
+    pairs = {label: {scenario: ([], []) for scenario in models} for label in yardsticks}
     planted = [perf_rounds.PlantedSlowdown(sm, plants.get(scenario, 0.0)) for scenario, sm in models.items()]
     for n in range(max(rounds.values())):
         for scenario, sm in models.items():
             if n >= rounds[scenario]:
                 continue
-            pairs[scenario][1].append(costs(reference))
-            pairs[scenario][0].append(costs(sm.model))
+            for label in (list(yardsticks) if n % 2 == 0 else list(yardsticks)[::-1]):
+                pairs[label][scenario][1].append(yardsticks[label](unit)[0])
+            costs = perf_rounds.token_costs(greedy_steps(sm.model, prompt, tokens), unit)[0]
+            for label in yardsticks:
+                pairs[label][scenario][0].append(costs)
     for plant in planted:
         plant.seconds = 0.0
     return pairs
@@ -92,41 +97,61 @@ def simulate(baseline: Dict[str, Tuple], current: Dict[str, Tuple], rounds: Dict
     return fails / runs, {check: count / runs for check, count in by_check.items()}
 
 
-def study(model_dir: Path, config: StreamingConfig, prompt_text: str, tokens: int = 16, runs: int = 300) -> Dict:
+def study(model_dir: Path, config: StreamingConfig, prompt_text: str, tokens: int = TOKENS, runs: int = 300) -> Dict:
+    """Where mlx-lm's in-memory model and a full pool fit beside each other, both scenarios, each round after a
+    round of each yardstick the gate can take: mlx-lm's in-memory decode of this model (the gate's where the model
+    fits) and of the embedded default model (the gate's where it does not), so that one recording says whether the
+    second cancels the machine's drift as well as the first. Where they do not fit, the 25% scenario alone, in
+    the pool the memory budget leaves, against the embedded model."""
     import mlx_lm
 
-    from ..model import build_streaming_model
+    from .reference import InMemoryPlan
 
     unit = perf_rounds.cost_unit()
-    reference, _ = mlx_lm.load(str(model_dir))
-    configs = dict(zip(SCENARIOS, (config.with_pool().replace(preload=True),
-                                   config.with_pool(pool_fraction=0.25).replace(io_mode="direct"))))
-    models = {scenario: build_streaming_model(model_dir, c) for scenario, c in configs.items()}
-    sizes = ", ".join(f"{scenario} {n}" for scenario, n in ROUNDS.items())
+    prompt = _prompt(model_dir, prompt_text)
+    fits = InMemoryPlan(model_dir, workers=2).fits  # two shares: the in-memory model, and the full pool's experts
+    chosen = [perf_rounds.Yardstick.choose(model_dir, prompt, fits)]
+    if fits and Path(model_dir).resolve() != default_model().resolve():
+        chosen.append(perf_rounds.Yardstick.embedded())
+    yardsticks = {y.label: perf_rounds.greedy_round(mlx_lm.load(y.model)[0], y.prompt, tokens) for y in chosen}
+    scenarios = SCENARIOS if fits else SCENARIOS[1:]
+    if not fits and config.memory_budget is None and config.pool_slots is None:
+        config = config.replace(memory_budget=auto_memory_budget())
+    mtp_path = Path(model_dir) / MTP_FILE
+    models = {s: perf_rounds.build(model_dir, mtp_path, config, perf_rounds.SCENARIOS[SUITE_TESTS[s][len("test_"):]])
+              for s in scenarios}
+    rounds = {s: ROUNDS[s] for s in scenarios}
+    baseline_rounds = {s: BASELINE_ROUNDS[s] for s in scenarios}
+    sizes = ", ".join(f"{scenario} {n}" for scenario, n in rounds.items())
+    _say("yardsticks: " + "; ".join(yardsticks))
     try:
-        prompt = next(iter(models.values())).tokenizer.encode(prompt_text)
-        for model in [reference] + [sm.model for sm in models.values()]:
-            greedy_generate(model, prompt, tokens)  # warm-up
-        _say("baseline pools, quiet: round pairs " + ", ".join(f"{s} {n}" for s, n in BASELINE_ROUNDS.items()))
-        baseline = _record(models, reference, prompt, tokens, BASELINE_ROUNDS, {}, unit)
-        cost = {s: float(np.percentile(c, perf_gate.QUANTILE)) for s, (c, _) in baseline.items()}
-        pools = {}
+        for sm in models.values():
+            greedy_generate(sm.model, prompt, tokens)  # warm-up
+        for yardstick in yardsticks.values():
+            yardstick(unit)
+        _say("baseline pools, quiet: round pairs " + ", ".join(f"{s} {n}" for s, n in baseline_rounds.items()))
+        baseline = _record(models, yardsticks, prompt, tokens, baseline_rounds, {}, unit)
+        first = next(iter(baseline.values()))
+        cost = {s: float(np.percentile(c, perf_gate.QUANTILE)) for s, (c, _) in first.items()}
+        pools = {label: {} for label in yardsticks}
         for condition in ("quiet", "busy"):
             neighbours = _busy_neighbours(2) if condition == "busy" else []
             try:
                 for fraction in (0.0,) + FRACTIONS:
                     _say(f"{condition}, planted +{fraction:.0%}: round pairs {sizes}")
                     plants = {s: fraction * c for s, c in cost.items()}
-                    pools[f"{condition} +{fraction:.0%}"] = _record(models, reference, prompt, tokens, ROUNDS,
-                                                                    plants, unit)
+                    recorded = _record(models, yardsticks, prompt, tokens, rounds, plants, unit)
+                    for label, pairs in recorded.items():
+                        pools[label][f"{condition} +{fraction:.0%}"] = pairs
             finally:
                 for p in neighbours:
                     p.kill()
     finally:
         for sm in models.values():
             sm.close()
-    recorded = {"unit": unit, "cost_per_token": cost, "tokens": tokens, "baseline": baseline, "pools": pools}
-    return replay(recorded, runs)
+    common = {"unit": unit, "cost_per_token": cost, "tokens": tokens}
+    return replay({**common, "yardsticks": {label: {"yardstick": label, "baseline": baseline[label],
+                                                    "pools": pools[label]} for label in yardsticks}}, runs)
 
 
 #: The side-by-side study's planted slowdowns (what its verdict needs: no false alarm, 10% and 20% caught).
@@ -204,42 +229,59 @@ def _prompt(model_dir: Path, text: str) -> list:
     return load_tokenizer(Path(model_dir)).encode(text)
 
 
-def suite_baseline(saved: Dict) -> Dict[str, Tuple]:
+def suite_baseline(saved: Dict) -> Dict:
     """Each scenario's (costs, yardstick costs) rounds from a baseline the perf suite saved (pytest-benchmark's
-    JSON, ``baselines/<machine>/NNNN_baseline.json``), with their unit. Raises ``ValueError`` naming what is
-    missing."""
+    JSON, ``baselines/<machine>/NNNN_baseline.json``), with their unit and yardstick; the scenarios the suite ran
+    (on a model that does not fit, the full pool's is skipped). Raises ``ValueError`` naming what is missing."""
     infos = {bench.get("name"): bench.get("extra_info", {}) for bench in saved.get("benchmarks", [])}
-    pools, units = {}, set()
-    for scenario, test in SUITE_TESTS.items():
-        info = infos.get(test, {})
-        if not (info.get("costs") and info.get("yard_costs")):
-            raise ValueError(f"no {test} rounds with their yardstick rounds")
-        pools[scenario] = (info["costs"], info["yard_costs"])
-        units.add(info.get("unit"))
-    return {"unit": units.pop() if len(units) == 1 else None, "pools": pools}
+    infos = {scenario: infos.get(test, {}) for scenario, test in SUITE_TESTS.items()}
+    pools = {scenario: (info["costs"], info["yard_costs"]) for scenario, info in infos.items()
+             if info.get("costs") and info.get("yard_costs")}
+    if not pools:
+        raise ValueError(f"no {' or '.join(SUITE_TESTS.values())} rounds with their yardstick rounds")
+    units = {infos[s].get("unit") for s in pools}
+    yardsticks = {infos[s].get("yardstick", perf_rounds.OWN_YARDSTICK) for s in pools}
+    return {"unit": units.pop() if len(units) == 1 else None, "pools": pools,
+            "yardstick": yardsticks.pop() if len(yardsticks) == 1 else None}
 
 
 def replay(recorded: Dict, runs: int = 300, baseline: Dict = None) -> Dict:
-    """Simulated gate runs on recorded pools (a study's report, or its JSON) under the current rule: each run
-    draws as many round pairs per scenario as the suite compares (``ROUNDS``) from the condition's pool, and from
-    the baseline pool as many as the suite records for a baseline (``BASELINE_ROUNDS``, at most the pool's size:
-    drawing more than a pool holds would shrink its noise). A side-by-side study's pools each come with the base
-    pool recorded beside them (``recorded["bases"]``), from which a run draws as many rounds as it compares, as
-    the side-by-side gate measures. ``baseline``: a baseline the suite recorded (``suite_baseline``), taken as it
-    is, as a gate run takes it, instead of the recorded baseline pool."""
+    """Simulated gate runs on recorded pools (a study's report, or its JSON) under the current rule, per
+    yardstick where the study measured several (``_replay_one``); against a baseline the suite recorded, only
+    the yardstick that baseline was measured against."""
+    if "yardsticks" not in recorded:
+        return _replay_one(recorded, runs, baseline and baseline["pools"])
+    common = {key: recorded[key] for key in ("unit", "cost_per_token", "tokens")}
+    replays = {label: _replay_one({**common, **one}, runs, baseline and baseline["pools"])
+               for label, one in recorded["yardsticks"].items()
+               if baseline is None or Yardstick.kind(label) == Yardstick.kind(baseline["yardstick"] or "")}
+    if not replays:
+        raise ValueError(f"the suite's baseline was measured against the yardstick \"{baseline['yardstick']}\", "
+                         f"the study's against {', '.join(repr(y) for y in recorded['yardsticks'])}")
+    return {**common, "yardsticks": replays}
+
+
+def _replay_one(recorded: Dict, runs: int, baseline: Optional[Dict]) -> Dict:
+    """Each run draws as many round pairs per scenario as the suite compares (``ROUNDS``) from the condition's
+    pool, and from the baseline pool as many as the suite records for a baseline (``BASELINE_ROUNDS``, at most the
+    pool's size: drawing more than a pool holds would shrink its noise). A side-by-side study's pools each come
+    with the base pool recorded beside them (``recorded["bases"]``), from which a run draws as many rounds as it
+    compares, as the side-by-side gate measures. ``baseline``: a baseline the suite recorded
+    (``suite_baseline``), taken as it is, as a gate run takes it, instead of the recorded baseline pool."""
     rows = []
     beside = "bases" in recorded
     for name, current in recorded["pools"].items():
         base = recorded["bases"][name] if beside else recorded["baseline"] if baseline is None else baseline
+        scenarios = [s for s in SCENARIOS if s in current and s in base]
         if beside:
-            drawn = {s: (ROUNDS[s], ROUNDS[s]) for s in SCENARIOS}
+            drawn = {s: (ROUNDS[s], ROUNDS[s]) for s in scenarios}
         else:
             drawn = {s: (None if baseline is not None else min(BASELINE_ROUNDS[s], len(base[s][0])), ROUNDS[s])
-                     for s in SCENARIOS}
+                     for s in scenarios}
         condition, planted = name.split(" +")
-        rate, by_check = simulate(base, current, drawn, runs, THRESHOLDS)
+        rate, by_check = simulate({s: base[s] for s in scenarios}, current, drawn, runs, THRESHOLDS)
         measured = {s: float(perf_gate.relative_cost(*map(perf_gate.as_rounds, current[s]))
-                             / perf_gate.relative_cost(*map(perf_gate.as_rounds, base[s]))) for s in SCENARIOS}
+                             / perf_gate.relative_cost(*map(perf_gate.as_rounds, base[s]))) for s in scenarios}
         rows.append({"condition": condition, "planted": float(planted.rstrip("%")) / 100, "fail_rate": rate,
                      "by_check": by_check, "measured_ratio": measured})
     keep = ("unit", "cost_per_token", "tokens", "baseline", "pools", "bases", "base_revision", "yardstick")
@@ -248,19 +290,27 @@ def replay(recorded: Dict, runs: int = 300, baseline: Dict = None) -> Dict:
     else:
         against = "the study's baseline pool" if baseline is None else "a baseline the suite recorded"
     return {**{key: recorded[key] for key in keep if key in recorded},
-            "pool_rounds": {s: len(base[s][0]) for s in SCENARIOS},
+            "pool_rounds": {s: len(base[s][0]) for s in scenarios},
             "rounds": drawn, "runs": runs, "thresholds": THRESHOLDS, "quantile": perf_gate.QUANTILE,
             "against": against, "rows": rows}
 
 
 def table(report: Dict) -> str:
+    """The report's table, one per yardstick where the study measured several."""
+    if "yardsticks" in report:
+        return "\n\n".join(f"yardstick: {label}\n{_table_one(one)}" for label, one in report["yardsticks"].items())
+    return _table_one(report)
+
+
+def _table_one(report: Dict) -> str:
     from tabulate import tabulate
 
+    scenarios = list(report["pool_rounds"])
     body = [[r["condition"], f"+{r['planted']:.0%}"]
-            + [f"x{r['measured_ratio'][s]:.3f}" for s in SCENARIOS]
-            + [f"{r['by_check'][s]:.1%}" for s in SCENARIOS]
+            + [f"x{r['measured_ratio'][s]:.3f}" for s in scenarios]
+            + [f"{r['by_check'][s]:.1%}" for s in scenarios]
             + [f"{r['fail_rate']:.1%}" + ("" if r["planted"] else " (false alarms)")] for r in report["rows"]]
-    headers = (["condition", "planted"] + [f"measured, {s}" for s in SCENARIOS] + [f"fails, {s}" for s in SCENARIOS]
+    headers = (["condition", "planted"] + [f"measured, {s}" for s in scenarios] + [f"fails, {s}" for s in scenarios]
                + ["gate fails"])
     costs = ", ".join(f"{s} {c * 1000:.1f} ms" for s, c in report["cost_per_token"].items())
     def against(s):
@@ -268,7 +318,7 @@ def table(report: Dict) -> str:
         return f"all {pool} baseline rounds" if drawn is None else f"{drawn} drawn from a baseline pool of {pool}"
 
     per_scenario = "; ".join(f"{s}: {report['rounds'][s][1]} round pairs against {against(s)}, threshold "
-                             f"+{report['thresholds'][s]:.0%}" for s in SCENARIOS)
+                             f"+{report['thresholds'][s]:.0%}" for s in scenarios)
     return (tabulate(body, headers=headers)
             + f"\nunit {report['unit']}, p{report['quantile']} of token costs quiet: {costs}; {report['runs']} "
               f"simulated gate runs of {report['tokens']}-token rounds against {report['against']}; {per_scenario}")

@@ -181,10 +181,16 @@ def scenario_round(sm, scenario: Scenario, prompt, tokens: int) -> Callable[[str
     return decode
 
 
+#: The yardsticks' labels: the model's own in-memory decode, and the embedded default model's.
+OWN_YARDSTICK = "mlx-lm in memory, this model"
+EMBEDDED_YARDSTICK = "mlx-lm in memory, the embedded default model"
+
+
 @dataclass(frozen=True)
 class Yardstick:
     """Whose in-memory greedy decode the yardstick rounds run: the model's own where mlx-lm's in-memory model
-    fits, else the embedded default model's (a model of the same kind that fits anywhere), with its prompt."""
+    fits, else the embedded default model's (a model of the same kind that fits anywhere), with its prompt.
+    ``label`` starts with ``OWN_YARDSTICK`` or ``EMBEDDED_YARDSTICK``, maybe followed by why, in brackets."""
     model: str
     prompt: list
     label: str
@@ -192,13 +198,21 @@ class Yardstick:
     @classmethod
     def choose(cls, model_dir, prompt, fits: bool) -> "Yardstick":
         if fits:
-            return cls(str(model_dir), list(prompt), "mlx-lm in memory, this model")
+            return cls(str(model_dir), list(prompt), OWN_YARDSTICK)
+        return cls.embedded(f"{EMBEDDED_YARDSTICK} (this model does not fit in memory)")
+
+    @classmethod
+    def embedded(cls, label: str = EMBEDDED_YARDSTICK) -> "Yardstick":
         from mlx_lm.utils import load_tokenizer
         from mlx_streaming.defaults import default_model
 
         default = default_model()
-        return cls(str(default), load_tokenizer(default).encode(YARDSTICK_PROMPT),
-                   "mlx-lm in memory, the embedded default model (this model does not fit in memory)")
+        return cls(str(default), load_tokenizer(default).encode(YARDSTICK_PROMPT), label)
+
+    @staticmethod
+    def kind(label: str) -> str:
+        """``OWN_YARDSTICK`` or ``EMBEDDED_YARDSTICK``: ``label`` without its reason."""
+        return label.split(" (")[0]
 
     def as_dict(self) -> dict:
         return {"model": self.model, "prompt": self.prompt}

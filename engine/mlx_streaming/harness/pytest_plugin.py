@@ -190,7 +190,7 @@ def _side_by_side_base(config):
 def pytest_sessionfinish(session, exitstatus):
     """The perf gate: each scenario's counters against the stored baseline's, its cost against the stored rounds
     (same machine profile) or against the base revision's rounds measured beside it (side by side)."""
-    from . import perf_gate
+    from . import perf_gate, perf_rounds
 
     config = session.config
     baseline_run, _ = getattr(config, "_mlx_perf_baseline", (None, None))
@@ -212,7 +212,7 @@ def pytest_sessionfinish(session, exitstatus):
         recorded = "none stored (counters not judged)"
     if mode is None:
         mode = "stored: costs against the stored rounds" if same else "counters only: another machine profile"
-    yardsticks = sorted({info.get("yardstick", "mlx-lm in memory, this model") for info in current.values()})
+    yardsticks = sorted({info.get("yardstick", perf_rounds.OWN_YARDSTICK) for info in current.values()})
     config._mlx_perf_gate = (rows, recorded, mode, "; ".join(yardsticks))
     if any(row.fail for row in rows):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
