@@ -82,3 +82,47 @@ def test_plan_draws_the_curve_into_a_png_and_replaces_only_its_own(recorded, tmp
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "was not written by mlx-streaming" in refused.stderr
     assert photo.read_bytes() == b"\x89PNG not ours"
+
+
+def _trace(calls, layers=(0,), num_experts=8, top_k=1, decode_from=0):
+    return {"layers": list(layers), "num_experts": num_experts, "top_k": top_k, "decode_from": decode_from,
+            "calls": [[layer, 1, list(experts)] for layer, experts in calls]}
+
+
+def test_the_policy_study_replays_lru_per_layer_as_the_engine_does(recorded):
+    from mlx_streaming.residency import policy_study
+
+    trace = read_trace(recorded[0])
+    for slots in (trace["top_k"], 6, 12, trace["num_experts"]):
+        ours = policy_study.replay(trace, slots, "LRU", "per layer")
+        assert ours["decode_misses"] == replay(trace, slots)["decode_misses"]
+
+
+def test_the_policy_study_knows_each_rule_and_belady_bounds_them(recorded):
+    from mlx_streaming.residency import policy_study
+
+    cycle = _trace([(0, [e]) for e in [0, 1, 2] * 6])  # a loop one longer than the pool: LRU always misses
+    rates = {rank: policy_study.replay(cycle, 2, rank, "per layer")["decode_hits"] for rank in policy_study.RANKS}
+    assert rates["LRU"] == 0 and rates["Belady"] == 8  # Belady keeps one of the two others: a hit every other call
+    hot = _trace([(0, [e]) for e in [0, 0, 0, 1, 2, 0, 3, 0, 4, 0]])  # 0 is used most; 1-4 once each
+    assert policy_study.replay(hot, 2, "LFU", "per layer")["decode_hits"] == 5
+    assert policy_study.replay(hot, 2, "LRU-2", "per layer")["decode_hits"] == 5
+    # two layers, one busy and one idle: a shared pool lends the idle layer's slots to the busy one
+    uneven = _trace([(0, [e % 3]) for e in range(12)] + [(1, [0])], layers=(0, 1))
+    assert policy_study.replay(uneven, 2, "LRU", "shared")["decode_hits"] > policy_study.replay(
+        uneven, 2, "LRU", "per layer")["decode_hits"]
+    rows = policy_study.compare(read_trace(recorded[0]))
+    for share in policy_study.SHARES:
+        at = {r["policy"]: r["decode_hit_rate"] for r in rows if r["share"] == share}
+        for rank in policy_study.RANKS:
+            assert at[f"{rank}, per layer"] <= at["Belady, per layer"] + 1e-12
+            assert at[f"{rank}, shared"] <= at["Belady, shared"] + 1e-12
+
+
+def test_plan_prints_the_policies_beside_belady(recorded, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mlx_streaming", "plan", "--trace", str(recorded[0]), "--json",
+                          str(tmp_path / "plan.json")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "Belady, per layer" in out.stdout and "LRU-2, shared" in out.stdout
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["curve"][0]["slots"] == read_trace(recorded[0])["top_k"] and len(saved["policies"]) == 4 * 8

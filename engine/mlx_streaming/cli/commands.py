@@ -134,8 +134,9 @@ def cmd_evaluate(args) -> None:
 
 def cmd_plan(args) -> None:
     if args.trace:
+        from ..harness.report import policy_table, trace_table
+        from ..residency.policy_study import compare
         from ..residency.trace import curve, read_trace
-        from ..harness.report import trace_table
 
         trace = read_trace(args.trace)
         most = trace["num_experts"] - trace["top_k"]
@@ -144,13 +145,15 @@ def cmd_plan(args) -> None:
                               f"layer and routes {trace['top_k']} per token; pin 0 to {most}")
         rows = curve(trace, args.disk_gbps * 1e9, args.pin_hot or 0)
         print(trace_table(rows, args.disk_gbps, args.pin_hot or 0))
+        policies = compare(trace)
+        print("\n" + policy_table(policies))
         if args.plot:
             from ..harness.curve_plot import write_plot
 
             write_plot(rows, args.plot, args.disk_gbps, args.pin_hot or 0)
             _say(f"plot written to {args.plot}")
         if args.json:
-            _write_json(args.json, rows)
+            _write_json(args.json, {"curve": rows, "policies": policies})
         return
     print(_with_flags(_plan_of(args).describe(), args.flags))
 

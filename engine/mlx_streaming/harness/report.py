@@ -39,6 +39,28 @@ def diagnostics_report(store) -> str:
     return "\n".join(lines)
 
 
+def policy_table(rows: list) -> str:
+    """``residency.policy_study.compare`` as a table: each policy's decode hit rate at each pool share, and how far
+    it stays below the offline optimum (Belady) of its pool shape."""
+    from tabulate import tabulate
+
+    shares = sorted({r["share"] for r in rows})
+    rate = {(r["policy"], r["share"]): r["decode_hit_rate"] for r in rows}
+    slots = {r["share"]: r["slots"] for r in rows}
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+
+    def cell(policy, share):
+        bound = rate[(f"Belady, {policy.split(', ')[1]}", share)]
+        gap = "" if policy.startswith("Belady") else f" ({(rate[(policy, share)] - bound) * 100:+.1f})"
+        return f"{rate[(policy, share)]:.3f}{gap}"
+
+    body = [[policy] + [cell(policy, share) for share in shares] for policy in policies]
+    headers = ["policy, pools"] + [f"{share:.0%} ({slots[share]}/layer)" for share in shares]
+    return (tabulate(body, headers=headers)
+            + "\ndecode hit rate at equal bytes (per layer: one pool per MoE layer; shared: one pool of all layers' "
+              "slots); in brackets, points from Belady's offline optimum of the same pool shape")
+
+
 def trace_table(rows: list, disk_gbps: float, pin_hot: int) -> str:
     """``residency.trace.curve`` as a table: pool size against hit rate, disk traffic and the I/O-bound decode rate."""
     from tabulate import tabulate
