@@ -111,3 +111,21 @@ def test_pin_hot_pins_the_calibration_runs_hottest_experts(model_dir):
             assert len(store.pool.policies[layer].pinned) == 2
             assert set(store.routed.hot(layer, 2)) == store.pool.policies[layer].pinned
         assert all(v == 0 for v in store.stats().values())
+
+
+def test_batched_placement_writes_the_bytes_slot_writes_write(model_dir, prompt_ids):
+    """The GPU backend's placement (one scatter per expert tensor for a load's experts) and the CPU backend's (a
+    write per slot) leave the same pool and decode the same ids; each is forced here on this backend."""
+    pools, ids = {}, {}
+    for batched in (False, True):
+        with build_streaming_model(model_dir, StreamingConfig(pool_slots=12, verify=True)) as sm:
+            sm.store.pool.batched = batched
+            ids[batched] = greedy_generate(sm.model, prompt_ids[1], 12)
+            assert sm.store.stats()["verify_calls"] > 0  # each placed expert's slot read back against its bytes
+            layer = sm.store.index.layers[0]
+            pools[batched] = (sm.store.pool.slots[layer].copy(),
+                              {name: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                               for name, a in sm.store.pool.arrays[layer].items()})
+    assert ids[False] == ids[True]
+    assert (pools[False][0] == pools[True][0]).all()
+    assert all((pools[False][1][n] == pools[True][1][n]).all() for n in pools[False][1])
