@@ -39,6 +39,25 @@ def test_same_ids_and_counters_as_the_per_layer_check(model_dir, reference_model
         assert token_stats["dropped_forwards"] > 0
 
 
+def test_a_miss_costs_syncs_only_where_it_is(model_dir, reference_model, prompt_ids):
+    """A warm pool that misses now and then: a forward whose check finds one layer's experts missing loads that
+    layer and runs again deferred (two waits, not one per MoE layer), with the per-layer path's ids and counters;
+    on a cold 25% pool, which runs layer by layer, a layer call that loads waits once (its routes), not twice."""
+    prompt = prompt_ids[0]
+    for pool, warm in ((96, 16), (12, 0)):
+        layer_ids, layer_stats = _run(model_dir, prompt, "layer", warm=warm, pool_slots=pool)
+        token_ids, token_stats = _run(model_dir, prompt, "forward", warm=warm, pool_slots=pool)
+        assert token_ids == layer_ids == greedy_generate(reference_model, prompt, TOKENS)
+        assert {k: token_stats[k] for k in COUNTED} == {k: layer_stats[k] for k in COUNTED}
+        # layer by layer: a wait per MoE layer call for its routes (and per group of a call split in groups: the
+        # prefill's), none for a load's pool writes (which cost one more per loading call)
+        calls = layer_stats["fastpath"] + layer_stats["fallback"]
+        assert 0 <= layer_stats["host_syncs"] - calls < layer_stats["fallback"]
+        if warm:
+            assert token_stats["resumed_forwards"] > 0 and token_stats["misses"] > 0
+            assert token_stats["host_syncs"] < layer_stats["host_syncs"] / 2
+
+
 def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
     prompt = prompt_ids[0]
     _, layer_stats = _run(model_dir, prompt, "layer", warm=64)

@@ -28,7 +28,7 @@ WORK_COUNTERS = {
     "bytes_read": "bytes read from disk, demand and prefetch",
     "read_calls": "system reads issued by the reader (after merging adjacent ranges)",
     "host_syncs": "the engine's waits for the device on the forward path (routes or predictions brought to "
-                  "the host, pool writes evaluated, the deferred check)",
+                  "the host, a grouped call's partial output, the deferred check)",
     "verify_calls": "experts checked by byte-truth verification",
     "spec_steps": "speculative verify steps",
     "accepted_drafts": "drafts accepted by speculative verification",

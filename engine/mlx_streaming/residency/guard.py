@@ -4,7 +4,11 @@ A forward of a few tokens whose forward before it found every routed expert resi
 layer takes its slots from the pool's device-side table and keeps its routes; when the forward is done, one
 sync brings every layer's routes to the host and one lookup checks them. If all were resident, they are
 accounted as the layer-by-layer path would account them; if not, the caches are restored and the forward runs
-again, layer by layer (same ids, same counters). Inside ``queueing`` (a decode loop one step ahead) the check is
+again (same ids, same counters). Where the check found one MoE layer's experts missing, the forward runs again
+deferred, that layer loaded first: its routes are exact (every layer before it computed over resident experts),
+so two waits serve a miss that layer by layer would wait at every MoE layer for; where several layers missed
+(the routes after the first are only a hint), it runs again layer by layer, the layers loaded so far taking
+their slots from the device's table. Inside ``queueing`` (a decode loop one step ahead) the check is
 left queued, to be confirmed after the next step is queued on the device. On a complete pool (every expert
 resident, nothing watching routes but the hit counters) no forward can miss: routes are kept and counted in
 bulk (``bulk.BulkCount``), with no wait for the step in flight.
@@ -42,13 +46,15 @@ class QueuedCheck:
 
 class MissGuard:
     def __init__(self, pool: ExpertPool, counters: ResidencyStats, miss_check: str,
-                 account: Callable[[List[tuple], np.ndarray, np.ndarray], None], only_counted: Callable[[], bool]):
+                 account: Callable[[List[tuple], np.ndarray, np.ndarray], None], only_counted: Callable[[], bool],
+                 load: Callable[[int, np.ndarray], None]):
         """``miss_check``: "forward" (defer where it can) or "layer" (never). ``account(routes, hosted, keys)``
         accounts a checked forward's routes as the per-layer path would (recency, hits, recording, prediction);
         ``only_counted()`` says whether nothing but the hit counters watches routes (then a complete pool's
-        forwards are counted in bulk)."""
+        forwards are counted in bulk); ``load(layer, routed)`` routes and loads one MoE layer call as the per-layer
+        path does."""
         self.pool, self.counters, self.miss_check = pool, counters, miss_check
-        self._account, self._only_counted = account, only_counted
+        self._account, self._only_counted, self._load = account, only_counted, load
         #: Called with the forward's token count when a forward starts (the prefetch switch, or a planted
         #: slowdown a test injects).
         self.forward_hooks: List[Callable[[int], None]] = []
@@ -63,6 +69,10 @@ class MissGuard:
         self.bulk = BulkCount(pool, counters)
         #: Whether the forward running and the one before it found a routed expert not resident.
         self._missed = self._previous_missed = False
+        #: The one MoE layer a failed check found missing: (layer, its routes on the host, the forward's tokens),
+        #: loaded when that forward runs again; and the layers so loaded in the running forward (accounted).
+        self._resume: Optional[tuple] = None
+        self.loaded: set = set()
 
     def run(self, tokens: int, call: Callable[[], mx.array],
             snapshot: Callable[[], Optional[Callable[[], None]]]) -> mx.array:
@@ -73,7 +83,7 @@ class MissGuard:
             return call()
         self.in_forward = True
         try:
-            self._previous_missed, self._missed = self._missed, False
+            self._previous_missed, self._missed, self.loaded = self._missed, False, set()
             for hook in self.forward_hooks:
                 hook(tokens)
             if self.counts_later:  # no forward can miss: routes counted in bulk (a long forward's layer by layer)
@@ -85,11 +95,13 @@ class MissGuard:
             restore = snapshot()
             if restore is None or not self._begin(tokens):
                 return call()
-            out = call()
-            if self._queue(out, restore) or self._end(out):
-                return out
-            restore()
-            return call()
+            while True:
+                out = call()
+                if self._queue(out, restore) or self._end(out):
+                    return out
+                restore()
+                if not self._begin(tokens):  # deferred again only where one layer was missing
+                    return call()
         finally:
             self.in_forward = False
 
@@ -102,10 +114,26 @@ class MissGuard:
         every routed expert resident. After a miss forwards run layer by layer (none is wasted on a check that
         fails) until one finds all its experts resident: a cold pool stays on the per-layer path, a warm one
         goes back to deferring one forward after a rare miss."""
-        if self.miss_check != "forward" or tokens > DEFERRED_TOKENS or self.deferring or self._previous_missed:
+        if self.miss_check != "forward" or tokens > DEFERRED_TOKENS or self.deferring:
+            return False
+        if self._resume is not None:
+            if not self._load_missed(tokens):
+                return False
+        elif self._previous_missed or self._missed:
             return False
         self.deferring, self._deferred = True, []
         self.counters.deferred_forwards += 1
+        return True
+
+    def _load_missed(self, tokens: int) -> bool:
+        """Load the layer a failed check found missing, if this forward is the one that check was of."""
+        (layer, routed, of_tokens), self._resume = self._resume, None
+        if of_tokens != tokens:
+            return False
+        self._load(layer, routed)
+        self.loaded.add(layer)
+        self._missed = False  # the forward itself has yet to miss
+        self.counters.resumed_forwards += 1
         return True
 
     def defer(self, layer: int, indices: mx.array) -> mx.array:
@@ -136,9 +164,29 @@ class MissGuard:
         if not resident:
             self.counters.deferred_retries += 1
             self._missed = True
+            self._resume = self._one_layer_missed(routes, hosted, keys)
         else:
-            self._account(routes, hosted, keys)
+            self._account(*self._unloaded(routes, hosted, keys))
         return resident
+
+    def _one_layer_missed(self, routes: List[tuple], hosted: np.ndarray, keys: np.ndarray) -> Optional[tuple]:
+        """(layer, its routes on the host, the forward's tokens) where one route of ``routes`` has experts not
+        resident, else None."""
+        sizes = [indices.size for _, indices in routes]
+        missed = np.unique(np.repeat(np.arange(len(routes)), sizes)[~self.pool.resident_keys(keys)])
+        if missed.size != 1:
+            return None
+        r = int(missed[0])
+        start = sum(sizes[:r])
+        layer, indices = routes[r]
+        return layer, hosted[start:start + sizes[r]].reshape(indices.shape), indices.size // indices.shape[-1]
+
+    def _unloaded(self, routes: List[tuple], hosted: np.ndarray, keys: np.ndarray) -> tuple:
+        """``routes``, ``hosted`` and ``keys`` without the layers ``loaded`` (accounted when they were loaded)."""
+        if not self.loaded:
+            return routes, hosted, keys
+        keep = np.repeat([layer not in self.loaded for layer, _ in routes], [i.size for _, i in routes])
+        return [r for r in routes if r[0] not in self.loaded], hosted[keep], keys[keep]
 
     # ------------------------------------------------------------ a complete pool: counted later, in bulk
 

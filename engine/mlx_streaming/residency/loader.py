@@ -1,11 +1,16 @@
 """ExpertLoader: brings missing experts into a layer's pool. Bytes staged by the prefetcher are taken, the rest
-read in one batch, all before any slot changes hands (a failed read leaves the pool as it was), then placed,
-waited for, and checked by the byte verifier where there is one."""
+read in one batch, all before any slot changes hands (a failed read leaves the pool as it was), then placed and
+checked by the byte verifier where there is one.
+
+Placement does not wait for the device: the slot writes are evaluated with the layer that computes over them, at
+the forward's next wait. That is safe because no pending graph reads the slots written: a layer call that loads
+has just waited for its routes, which depend on everything queued before it (earlier forwards included), and a
+call split in groups waits for each group's output before the next group may evict."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 from ..checkpoint.experts import ExpertIndex
 from ..errors import ExpertIOError
@@ -16,9 +21,8 @@ from .stats import ResidencyStats
 
 class ExpertLoader:
     def __init__(self, index: ExpertIndex, reader: ExpertReader, pool: ExpertPool, counters: ResidencyStats,
-                 sync: Callable[[list], None], prefetcher=None, verifier=None):
-        """``sync(arrays)``: the store's counted wait for the device."""
-        self.index, self.reader, self.pool, self.counters, self.sync = index, reader, pool, counters, sync
+                 prefetcher=None, verifier=None):
+        self.index, self.reader, self.pool, self.counters = index, reader, pool, counters
         self.prefetcher, self.verifier = prefetcher, verifier
 
     def load(self, layer: int, experts: List[int], protected: set) -> None:
@@ -26,7 +30,6 @@ class ExpertLoader:
         staged, taken = self._read(layer, experts)
         start = time.perf_counter()
         placed, evictions = self.pool.place(layer, experts, staged, protected)
-        self.sync(list(self.pool.arrays[layer].values()))
         self.counters.place_s += time.perf_counter() - start
         self.counters.evictions += evictions
         self.counters.misses += len(experts)

@@ -95,8 +95,12 @@ class ExpertPool:
             bases = bases + np.array(offsets)
         return np.repeat(bases, [indices.size for _, indices in routes]) + hosted
 
+    def resident_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Whether each of ``keys`` is resident."""
+        return self._table.reshape(-1)[keys] >= 0
+
     def all_resident(self, keys: np.ndarray) -> bool:
-        return bool((self._table.reshape(-1)[keys] >= 0).all())
+        return bool(self.resident_keys(keys).all())
 
     def touch(self, keys: np.ndarray) -> int:
         """A resident forward's routes (``keys``), touched in every layer's LRU order at once: each layer's

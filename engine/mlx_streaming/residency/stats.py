@@ -19,18 +19,21 @@ FIELDS = {
     "evictions": "resident experts evicted to make room",
     "demand_bytes": "bytes read on the main thread at acquire (demand reads)",
     "read_s": "seconds spent in demand reads",
-    "place_s": "seconds placing bytes into the pool",
+    "place_s": "seconds placing bytes into the pool (host copies and queued slot writes; the writes run at the "
+               "forward's next wait)",
     "fastpath": "MoE layer calls whose routed experts were all resident",
     "fallback": "MoE layer calls with at least one routed expert not resident",
     "grouped": "MoE layer calls that routed to more experts than fit and ran in groups",
     "host_syncs": "the engine's waits for the device on the forward path: routes or predictions brought to the "
-                  "host, pool writes and expert groups evaluated, the deferred check, a preloaded pool's hit count (one per "
+                  "host, expert groups evaluated, the deferred check, a preloaded pool's hit count (one per "
                   "bulk.COUNT_EVERY forwards of several tokens, and one at stats())",
     "sync_s": "seconds spent in those waits",
     "route_s": "seconds of host bookkeeping of routes: distinct experts, residency and miss checks, LRU touches, "
                "hit counts (not waits, reads or placement)",
     "deferred_forwards": "forwards run with the miss check deferred to their end",
-    "deferred_retries": "of those, forwards rerun layer by layer because a routed expert was not resident",
+    "deferred_retries": "of those, forwards whose check found a routed expert not resident (each is run again)",
+    "resumed_forwards": "of those, forwards run again deferred, after loading the one MoE layer whose experts their "
+                        "check found missing (the others: run again layer by layer)",
     "dropped_forwards": "deferred forwards a decode loop queued one step ahead and dropped unchecked (after a "
                         "retry of the step before, or when it stopped)",
     "prefetch_submitted": "prefetch requests queued",

@@ -46,9 +46,9 @@ class ExpertStore:
         self.pool = ExpertPool(index, capacity)
         self.capacity = self.pool.capacity
         self.counters = counters or ResidencyStats()
-        self.guard = MissGuard(self.pool, self.counters, miss_check, self._account, self._only_counted)
+        self.guard = MissGuard(self.pool, self.counters, miss_check, self._account, self._only_counted, self._load_call)
         self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
-        self.loader = ExpertLoader(index, reader, self.pool, self.counters, self.sync, prefetcher, verifier)
+        self.loader = ExpertLoader(index, reader, self.pool, self.counters, prefetcher, verifier)
         #: Count every routed (layer, expert) at acquire, into ``routed``.
         self.record = record
         self.routed = RoutedCounts(index.layers, index.num_experts)
@@ -133,6 +133,12 @@ class ExpertStore:
             self.acquire(layer, self.route(layer, routed.reshape(indices.shape)))
             self.layer_done(layer)
 
+    def _load_call(self, layer: int, routed: np.ndarray) -> None:
+        """One MoE layer call's routes (``routed``, on the host) accounted and its experts loaded, as the per-layer
+        path does."""
+        self.acquire(layer, self.route(layer, routed))
+        self.layer_done(layer)
+
     def _only_recency(self) -> bool:
         """Whether a forward whose routed experts were all resident changes nothing but the LRU order and the
         hit counters: no recorder, route log, predictor or prefetcher."""
@@ -190,6 +196,7 @@ class ExpertStore:
         for layer in self.index.layers:
             for start in range(0, len(experts), FILL_BATCH):
                 self.acquire(layer, experts[start:start + FILL_BATCH])
+                mx.eval(list(self.pool.arrays[layer].values()))  # each batch's host copies freed before the next
 
     def pin(self, layer: int, experts: Iterable[int]) -> None:
         """Load and keep ``experts`` forever; at least ``top_k`` slots must stay unpinned."""

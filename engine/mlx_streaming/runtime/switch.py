@@ -36,6 +36,8 @@ class StreamingSwitch(nn.Module):
             return self.pool_mlp(x, guard.defer(layer, indices))
         if guard.count_call_later(layer, indices):  # a complete pool: nothing to load, nothing to check
             return self.pool_mlp(x, indices)
+        if layer in guard.loaded:  # loaded and accounted before this forward ran again: resident, no sync
+            return self.pool_mlp(x, store.pool.device_slots(layer, indices))
         routed = store.to_host(indices)
         experts = store.route(layer, routed)
         groups = store.groups(layer, experts)
