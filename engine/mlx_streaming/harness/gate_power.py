@@ -26,7 +26,6 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import perf_gate, perf_rounds
-from .perf_rounds import Yardstick
 from ..config import StreamingConfig
 from ..checkpoint import MTP_FILE
 from ..decode.greedy import greedy_generate, greedy_steps
@@ -39,8 +38,9 @@ SCENARIOS = ("full pool", "25% pool, O_DIRECT")
 THRESHOLDS = dict(zip(SCENARIOS, (perf_gate.COMPUTE_THRESHOLD, perf_gate.DISK_THRESHOLD)))
 ROUNDS = dict(zip(SCENARIOS, (perf_gate.COMPUTE_ROUNDS, perf_gate.DISK_ROUNDS)))
 BASELINE_ROUNDS = {scenario: perf_gate.BASELINE_ROUNDS_FACTOR * n for scenario, n in ROUNDS.items()}
-#: Each scenario's twin in the perf suite, by its test's name in a pytest-benchmark baseline.
-SUITE_TESTS = dict(zip(SCENARIOS, ("test_greedy_full_pool", "test_greedy_quarter_pool_direct")))
+#: Each scenario's twin in the perf suite (``perf_rounds.SCENARIOS``), and its test's name in a baseline.
+SUITE_SCENARIOS = dict(zip(SCENARIOS, ("greedy_full_pool", "greedy_quarter_pool_direct")))
+SUITE_TESTS = {scenario: f"test_{name}" for scenario, name in SUITE_SCENARIOS.items()}
 #: Tokens per round, unless ``--max-tokens`` says otherwise (the suite's ``--streaming-perf-tokens``).
 TOKENS = 16
 
@@ -118,7 +118,7 @@ def study(model_dir: Path, config: StreamingConfig, prompt_text: str, tokens: in
     if not fits and config.memory_budget is None and config.pool_slots is None:
         config = config.replace(memory_budget=auto_memory_budget())
     mtp_path = Path(model_dir) / MTP_FILE
-    models = {s: perf_rounds.build(model_dir, mtp_path, config, perf_rounds.SCENARIOS[SUITE_TESTS[s][len("test_"):]])
+    models = {s: perf_rounds.build(model_dir, mtp_path, config, perf_rounds.SCENARIOS[SUITE_SCENARIOS[s]])
               for s in scenarios}
     rounds = {s: ROUNDS[s] for s in scenarios}
     baseline_rounds = {s: BASELINE_ROUNDS[s] for s in scenarios}
@@ -174,7 +174,6 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
     unit = perf_rounds.cost_unit()
     mtp_path = Path(model_dir) / MTP_FILE
     engine_config = {"io_mode": config.io_mode, "pool_slots": config.pool_slots}
-    plan = dict(zip(SCENARIOS, ("greedy_full_pool", "greedy_quarter_pool_direct")))
     fractions = (0.0,) + SIDE_BY_SIDE_FRACTIONS
     pools = {f"{c} +{f:.0%}": {} for c in ("quiet", "busy") for f in fractions}
     bases = {name: {} for name in pools}
@@ -184,7 +183,7 @@ def side_by_side_study(repo: Path, rev: str, model_dir: Path, config: StreamingC
     reference, _ = mlx_lm.load(chosen.model)
     with BaseEngine(repo, rev, model_dir, mtp_path, prompt, tokens, engine_config, chosen.as_dict()) as base:
         yardstick = perf_rounds.greedy_round(reference, chosen.prompt, tokens)
-        for scenario, name in plan.items():
+        for scenario, name in SUITE_SCENARIOS.items():
             definition = perf_rounds.SCENARIOS[name]
             sm = perf_rounds.build(model_dir, mtp_path, config, definition)
             planted = perf_rounds.PlantedSlowdown(sm)
@@ -252,9 +251,10 @@ def replay(recorded: Dict, runs: int = 300, baseline: Dict = None) -> Dict:
     if "yardsticks" not in recorded:
         return _replay_one(recorded, runs, baseline and baseline["pools"])
     common = {key: recorded[key] for key in ("unit", "cost_per_token", "tokens")}
+    kind = perf_rounds.Yardstick.kind
     replays = {label: _replay_one({**common, **one}, runs, baseline and baseline["pools"])
                for label, one in recorded["yardsticks"].items()
-               if baseline is None or Yardstick.kind(label) == Yardstick.kind(baseline["yardstick"] or "")}
+               if baseline is None or kind(label) == kind(baseline["yardstick"] or "")}
     if not replays:
         raise ValueError(f"the suite's baseline was measured against the yardstick \"{baseline['yardstick']}\", "
                          f"the study's against {', '.join(repr(y) for y in recorded['yardsticks'])}")

@@ -46,7 +46,7 @@ class ExpertStore:
         self.pool = ExpertPool(index, capacity)
         self.capacity = self.pool.capacity
         self.counters = counters or ResidencyStats()
-        self.guard = MissGuard(self.pool, self.counters, miss_check, self._account, self._only_counted, self._load_call)
+        self.guard = MissGuard(self.pool, self.counters, miss_check, self._account, self._only_counted, self._acquire_call)
         self.verifier, self.prefetcher, self.predictor = verifier, prefetcher, predictor
         self.loader = ExpertLoader(index, reader, self.pool, self.counters, prefetcher, verifier)
         #: Count every routed (layer, expert) at acquire, into ``routed``.
@@ -130,12 +130,11 @@ class ExpertStore:
             return
         sizes = [indices.size for _, indices in routes]
         for (layer, indices), routed in zip(routes, np.split(hosted, np.cumsum(sizes)[:-1])):
-            self.acquire(layer, self.route(layer, routed.reshape(indices.shape)))
-            self.layer_done(layer)
+            self._acquire_call(layer, routed.reshape(indices.shape))
 
-    def _load_call(self, layer: int, routed: np.ndarray) -> None:
-        """One MoE layer call's routes (``routed``, on the host) accounted and its experts loaded, as the per-layer
-        path does."""
+    def _acquire_call(self, layer: int, routed: np.ndarray) -> None:
+        """One MoE layer call's routes (``routed``, on the host) accounted and its experts made resident, as the
+        per-layer path does."""
         self.acquire(layer, self.route(layer, routed))
         self.layer_done(layer)
 
