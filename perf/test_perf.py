@@ -122,7 +122,7 @@ def test_greedy_quarter_pool_direct(run_scenario):
 
 
 def test_greedy_quarter_pool_prefetch(run_scenario):
-    """LRU + prefetch (ahead 1) at the 25% pool in direct mode."""
+    """Prefetch (ahead 1) at the 25% pool in direct mode."""
     run_scenario("greedy_quarter_pool_prefetch")
 
 

@@ -1,100 +1,151 @@
-"""LRU slot policy: pure Python, no MLX."""
+"""The slot book: which expert sits in which slot, and which goes (LFU, LRU). Pure Python, no MLX."""
 
+import numpy as np
 import pytest
 
-from mlx_streaming.residency.policy import LRUSlots
+from mlx_streaming.residency.policy import SlotBook
 from mlx_streaming.errors import PoolTooSmallError
 
 
+def _book(capacity, eviction="lru", num_experts=16):
+    return SlotBook([7], num_experts, capacity, eviction)
+
+
+def _place(book, expert, protected=()):
+    (_, slot, evicted), = book.place(7, [expert], protected)
+    return slot, evicted
+
+
 def test_free_slots_are_used_before_any_eviction():
-    p = LRUSlots(3)
-    placed = [p.place(e) for e in (10, 11, 12)]
-    assert sorted(slot for slot, _ in placed) == [0, 1, 2]
-    assert all(evicted is None for _, evicted in placed)
+    book = _book(3)
+    placed = book.place(7, [10, 11, 12])
+    assert sorted(slot for _, slot, _ in placed) == [0, 1, 2]
+    assert all(evicted is None for _, _, evicted in placed)
 
 
-def test_least_recently_used_is_evicted_and_its_slot_reused():
-    p = LRUSlots(2)
-    s10, _ = p.place(10)
-    p.place(11)
-    p.touch(10)  # 11 is now the oldest
-    slot, evicted = p.place(12)
-    assert evicted == 11 and p.slot(11) is None
-    assert p.slot(10) == s10 and p.slot(12) == slot
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_the_least_recently_used_goes_among_equally_used(eviction):
+    book = _book(2, eviction)
+    s10, _ = _place(book, 10)
+    _place(book, 11)
+    assert book.admit(7, [10]) == []  # 10 is now used twice and newest
+    if eviction == "lfu":
+        assert book.admit(7, [11]) == []  # both used twice: 10 is now the older
+        slot, evicted = _place(book, 12)
+        assert evicted == 10 and book.slot(7, 10) is None and book.slot(7, 11) is not None
+    else:
+        slot, evicted = _place(book, 12)
+        assert evicted == 11 and book.slot(7, 11) is None and book.slot(7, 10) == s10
+    assert book.slot(7, 12) == slot
+
+
+def test_lfu_keeps_the_expert_used_most_where_lru_lets_it_go():
+    evicted = {}
+    for eviction in ("lfu", "lru"):
+        book = _book(2, eviction)
+        book.place(7, [0, 1])
+        for _ in range(3):
+            book.admit(7, [0])  # 0: used 4 times, 1 once
+        book.admit(7, [1])  # 1 is the newest
+        evicted[eviction] = _place(book, 2)[1]
+    assert evicted == {"lfu": 1, "lru": 0}
+
+
+def test_lfu_remembers_uses_across_evictions():
+    book = _book(2, "lfu")
+    book.place(7, [0, 1])
+    for e, times in ((0, 4), (1, 5)):
+        for _ in range(times):
+            book.admit(7, [e])  # 0: 5 uses, 1: 6
+    assert _place(book, 2)[1] == 0
+    assert _place(book, 0)[1] == 2  # 0 comes back with 6 uses, not 1
+    assert _place(book, 2)[1] == 1  # 0 and 1 both used 6 times: the older, 1, goes
 
 
 def test_protected_experts_are_not_evicted():
-    p = LRUSlots(2)
-    p.place(1)
-    p.place(2)
-    slot, evicted = p.place(3, protected={1})
-    assert evicted == 2
+    book = _book(2)
+    book.place(7, [1, 2])
+    assert _place(book, 3, protected={1})[1] == 2
 
 
 def test_pinned_experts_are_never_evicted():
-    p = LRUSlots(2)
-    p.place(1)
-    p.pin(1)
-    p.place(2)
+    book = _book(2, "lfu")
+    _place(book, 1)
+    book.pin(7, 1)
+    _place(book, 2)
     for e in (3, 4, 5):
-        _, evicted = p.place(e)
-        assert evicted != 1
-    assert p.slot(1) is not None and p.pinned == {1}
+        for _ in range(5):
+            book.admit(7, [e])  # used far more than the pinned one
+        assert _place(book, e)[1] != 1
+    assert book.slot(7, 1) is not None and book.pinned(7) == {1}
 
 
 def test_no_evictable_slot_is_an_error():
-    p = LRUSlots(2)
-    p.place(1)
-    p.pin(1)
-    p.place(2)
+    book = _book(2)
+    _place(book, 1)
+    book.pin(7, 1)
+    _place(book, 2)
     with pytest.raises(PoolTooSmallError, match="none can be evicted"):
-        p.place(3, protected={2})
+        _place(book, 3, protected={2})
 
 
 def test_placing_a_resident_expert_or_pinning_an_absent_one_is_refused():
-    p = LRUSlots(2)
-    p.place(1)
-    with pytest.raises(ValueError):
-        p.place(1)
-    with pytest.raises(ValueError):
-        p.pin(7)
+    book = _book(2)
+    _place(book, 1)
+    with pytest.raises(ValueError, match="already resident"):
+        _place(book, 1)
+    with pytest.raises(ValueError, match="must be resident"):
+        book.pin(7, 7)
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        _book(2, "fifo")
 
 
 def test_identity_slots_put_each_expert_in_its_own_slot():
-    p = LRUSlots(4, identity=True)
-    assert [p.place(e)[0] for e in (2, 0, 3)] == [2, 0, 3]
-    assert p.place(1) == (1, None)
+    book = _book(4, num_experts=4)
+    assert [slot for _, slot, _ in book.place(7, [2, 0, 3])] == [2, 0, 3]
+    assert _place(book, 1) == (1, None)
     with pytest.raises(ValueError):
-        p.place(2)
+        _place(book, 2)
 
 
 def test_admit_touches_the_routed_experts_and_names_the_missing_ones():
-    p = LRUSlots(2)
-    p.place(10)
-    p.place(11)
-    assert p.admit([10, 12]) == [12]  # 10 touched: 11 is now the oldest
-    assert p.place(12, protected={10, 12}) == (p.slot(12), 11)
+    book = _book(2)
+    book.place(7, [10, 11])
+    assert book.admit(7, [10, 12]) == [12]  # 10 touched: 11 is now the oldest
+    assert _place(book, 12, protected={10, 12}) == (book.slot(7, 12), 11)
 
 
-def test_touches_made_in_bulk_evict_as_touches_made_one_by_one():
-    """A pool's resident forwards touch every layer's LRU order at once (``ExpertPool.touch`` writes ticks into a
-    row ``LRUSlots`` applies before its order is next read): the evictions are those of touching one by one."""
-    import numpy as np
+def test_several_placed_at_once_evict_as_placed_one_by_one():
+    rng = np.random.default_rng(1)
+    for eviction in ("lru", "lfu"):
+        together, one_by_one = _book(6, eviction, 32), _book(6, eviction, 32)
+        for _ in range(300):
+            routed = sorted(set(rng.zipf(1.4, 4).clip(1, 32) - 1))
+            missing = together.admit(7, routed)
+            assert one_by_one.admit(7, routed) == missing
+            placed = together.place(7, missing, routed)
+            assert placed == [(e, *_place(one_by_one, e, routed)) for e in missing]
 
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_touches_made_in_bulk_evict_as_touches_made_one_by_one(eviction):
+    """A pool's resident forwards touch every layer at once (``SlotBook.touch`` of their flat keys): the evictions
+    are those of admitting each layer's call one by one."""
     rng = np.random.default_rng(0)
-    pending = np.full(32, -1, dtype=np.int64)
-    one_by_one, bulk = LRUSlots(8), LRUSlots(8, pending=pending)
-    tick, evictions = 0, 0
+    layers = [3, 5]
+    one_by_one, bulk = (SlotBook(layers, 32, 8, eviction) for _ in range(2))
+    touched, evictions = 0, 0
     for _ in range(400):
-        routed = sorted(set(rng.zipf(1.5, 4).clip(1, 32) - 1))
-        if all(bulk.slot(e) is not None for e in routed):  # a resident forward: touched in bulk
-            pending[routed] = tick + np.arange(len(routed))
-            tick += len(routed)
-            assert one_by_one.admit(routed) == []
+        routes = {layer: sorted(set(rng.zipf(1.5, 4).clip(1, 32) - 1)) for layer in layers}
+        if all(bulk.slot(layer, e) is not None for layer, experts in routes.items() for e in experts):
+            keys = np.concatenate([bulk.row[layer] * 32 + np.array(experts) for layer, experts in routes.items()])
+            touched += bulk.touch(keys)
+            assert all(one_by_one.admit(layer, experts) == [] for layer, experts in routes.items())
             continue
-        assert bulk.admit(routed) == one_by_one.admit(routed)
-        for e in [e for e in routed if bulk.slot(e) is None]:
-            placed = bulk.place(e, set(routed))
-            assert placed == one_by_one.place(e, set(routed))
-            evictions += placed[1] is not None
-    assert evictions > 20 and tick > 100  # both kinds of step happened, often
+        for layer, experts in routes.items():
+            missing = bulk.admit(layer, experts)
+            assert one_by_one.admit(layer, experts) == missing
+            placed = bulk.place(layer, missing, experts)
+            assert placed == one_by_one.place(layer, missing, experts)
+            evictions += sum(evicted is not None for _, _, evicted in placed)
+    assert evictions > 20 and touched > 100  # both kinds of step happened, often

@@ -86,8 +86,8 @@ def test_pinned_experts_stay_resident_and_overpinning_is_an_error(model_dir, pro
         assert [counts[e] for e in hot] == sorted((counts[e] for e in hot), reverse=True)
         store.pin(layer, hot)
         greedy_generate(sm.model, prompt_ids[2], 16)
-        assert store.pool.policies[layer].pinned == set(hot)
-        assert all(store.pool.policies[layer].slot(e) is not None for e in hot)
+        assert store.pool.book.pinned(layer) == set(hot)
+        assert all(store.pool.book.slot(layer, e) is not None for e in hot)
         with pytest.raises(PoolTooSmallError, match="pinning"):
             store.pin(layer, [e for e in range(store.index.num_experts) if e not in hot][:1])
 
@@ -108,8 +108,8 @@ def test_pin_hot_pins_the_calibration_runs_hottest_experts(model_dir):
     with build_streaming_model(model_dir, config) as sm:
         store = sm.store
         for layer in store.index.layers:
-            assert len(store.pool.policies[layer].pinned) == 2
-            assert set(store.routed.hot(layer, 2)) == store.pool.policies[layer].pinned
+            assert len(store.pool.book.pinned(layer)) == 2
+            assert set(store.routed.hot(layer, 2)) == store.pool.book.pinned(layer)
         assert all(v == 0 for v in store.stats().values())
 
 

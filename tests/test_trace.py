@@ -15,9 +15,9 @@ from mlx_streaming.model import build_streaming_model
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
-def _live(model_dir, slots, trace_path=None):
+def _live(model_dir, slots, trace_path=None, eviction="lfu"):
     """(hits, misses) of a 20-token greedy run at ``slots``; with ``trace_path``, its trace written there."""
-    with build_streaming_model(model_dir, StreamingConfig(pool_slots=slots)) as sm:
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=slots, eviction=eviction)) as sm:
         ids = sm.tokenizer.encode(PROMPT)
         sm.store.route_log = []
         greedy_generate(sm.model, ids, 20)
@@ -42,10 +42,14 @@ def test_replay_equals_live_runs_at_two_pool_sizes(model_dir, recorded):
     live_6 = _live(model_dir, 6)  # the same greedy ids, so the same routes, at another pool size
     assert (replay(trace, 6)["hits"], replay(trace, 6)["misses"]) == live_6
     assert live_6[0] < live_12[0]
+    lru_6 = _live(model_dir, 6, eviction="lru")
+    assert (replay(trace, 6, eviction="lru")["hits"], replay(trace, 6, eviction="lru")["misses"]) == lru_6
+    assert lru_6 != live_6  # the two rules keep different experts here
     rows = curve(trace, 2e9)
     assert [r["slots"] for r in rows] == list(range(trace["top_k"], trace["num_experts"] + 1))
-    assert all(a["hit_rate"] <= b["hit_rate"] for a, b in zip(rows, rows[1:]))  # LRU: more slots never hit less
     assert rows[-1]["misses"] == len({(layer, e) for layer, _, experts in trace["calls"] for e in experts})
+    lru = curve(trace, 2e9, eviction="lru")
+    assert all(a["hit_rate"] <= b["hit_rate"] for a, b in zip(lru, lru[1:]))  # LRU: more slots never hit less
 
 
 def test_trace_files_are_checked_and_nothing_else_is_overwritten(model_dir, tmp_path):
@@ -89,13 +93,14 @@ def _trace(calls, layers=(0,), num_experts=8, top_k=1, decode_from=0):
             "calls": [[layer, 1, list(experts)] for layer, experts in calls]}
 
 
-def test_the_policy_study_replays_lru_per_layer_as_the_engine_does(recorded):
+@pytest.mark.parametrize("rank, eviction", [("LFU", "lfu"), ("LRU", "lru")])
+def test_the_policy_study_replays_the_engines_rules_per_layer_as_the_engine_does(recorded, rank, eviction):
     from mlx_streaming.residency import policy_study
 
     trace = read_trace(recorded[0])
     for slots in (trace["top_k"], 6, 12, trace["num_experts"]):
-        ours = policy_study.replay(trace, slots, "LRU", "per layer")
-        assert ours["decode_misses"] == replay(trace, slots)["decode_misses"]
+        ours = policy_study.replay(trace, slots, rank, "per layer")
+        assert ours["decode_misses"] == replay(trace, slots, eviction=eviction)["decode_misses"]
 
 
 def test_the_policy_study_knows_each_rule_and_belady_bounds_them(recorded):

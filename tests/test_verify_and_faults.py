@@ -74,9 +74,10 @@ def test_io_fault_mid_decode_raises_clearly_and_the_next_request_succeeds(model_
         assert time.monotonic() - start < 60  # raised, not hung
         store = sm.store
         # no half-written expert: every resident expert's bytes are still the disk's
-        for layer, policy in store.pool.policies.items():
-            for expert in policy.resident():
-                store.verifier.check(layer, expert, store.pool.arrays[layer], policy.slot(expert))
+        book = store.pool.book
+        for layer in store.index.layers:
+            for expert in book.resident(layer):
+                store.verifier.check(layer, expert, store.pool.arrays[layer], book.slot(layer, expert))
         assert store.stats()["verify_bad"] == 0
         # the fault has cleared: decoding works again and still equals the oracle
         assert greedy_generate(sm.model, prompt_ids[1], 16) == greedy_generate(reference_model, prompt_ids[1], 16)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .errors import ConfigError
+from .residency.policy import EVICTIONS
 from .run_settings import DEFAULT_PROMPT
 
 IO_MODES = ("buffered", "direct")
@@ -78,6 +79,9 @@ class StreamingConfig:
     #: them all with no per-layer host sync and checks once at its end (a miss reruns it layer by layer);
     #: "layer" syncs at every MoE layer.
     miss_check: str = "forward"
+    #: Which resident expert a full layer pool evicts (``residency.policy``): the least frequently routed
+    #: ("lfu") or the least recently routed ("lru").
+    eviction: str = "lfu"
     #: Measure prediction recall, miss attribution and main-thread timings (costs time; off by default).
     diagnostics: bool = False
 
@@ -91,6 +95,8 @@ class StreamingConfig:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
         if self.miss_check not in MISS_CHECKS:
             raise ConfigError(f"miss_check must be one of {', '.join(MISS_CHECKS)}, got {self.miss_check!r}")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}")
         sizing = [n for n in POOL_SIZES if getattr(self, n) is not None]
         if len(sizing) > 1:
             given = ", ".join(f"{n}={getattr(self, n)}" for n in sizing)

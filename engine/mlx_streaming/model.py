@@ -190,7 +190,8 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
                                     mult=config.prefetch_mult, layer_budget=config.prefetch_layer_budget,
                                     forward_budget=config.prefetch_forward_budget, diagnostics=config.diagnostics)
     store = ExpertStore(index, reader, capacity, top_k, config.record, verifier=ByteVerifier(index, counters) if config.verify else None,
-                        prefetcher=prefetcher, predictor=predictor, miss_check=config.miss_check, counters=counters)
+                        prefetcher=prefetcher, predictor=predictor, miss_check=config.miss_check, counters=counters,
+                        eviction=config.eviction)
     install(ckpt.sites, store.pool.arrays, lambda site: StreamingSwitch(site.switch, site.layer, store))
     mx.eval(ckpt.model.parameters(), ckpt.head.parameters() if ckpt.head else [])
     hooks = None

@@ -143,8 +143,9 @@ def cmd_plan(args) -> None:
         if not 0 <= (args.pin_hot or 0) <= most:
             raise ConfigError(f"--pin-hot {args.pin_hot}: the trace's model has {trace['num_experts']} experts per "
                               f"layer and routes {trace['top_k']} per token; pin 0 to {most}")
-        rows = curve(trace, args.disk_gbps * 1e9, args.pin_hot or 0)
-        print(trace_table(rows, args.disk_gbps, args.pin_hot or 0))
+        eviction = _config(args).eviction
+        rows = curve(trace, args.disk_gbps * 1e9, args.pin_hot or 0, eviction)
+        print(trace_table(rows, args.disk_gbps, args.pin_hot or 0, eviction))
         policies = compare(trace)
         print("\n" + policy_table(policies))
         if args.plot:

@@ -54,6 +54,7 @@ ENV_NAMES = {
     ENV_PREFIX + "PREFETCH_MULT": ("prefetch_mult", int),
     ENV_PREFIX + "STAGING_BYTES": ("staging_bytes", parse_size),
     ENV_PREFIX + "MISS_CHECK": ("miss_check", str),
+    ENV_PREFIX + "EVICTION": ("eviction", str),
     ENV_PREFIX + "PRELOAD": ("preload", _flag),
     "STG_VERIFY": ("verify", _flag),
 }

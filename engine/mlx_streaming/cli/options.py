@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..config import DEFAULT_MEMORY_ALLOWANCE, StreamingConfig, format_size, parse_size
+from ..residency.policy import EVICTIONS
 from ..run_settings import RunSettings
 from . import environment
 from .environment import ENV_NAMES
@@ -91,6 +92,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--miss-check", choices=("forward", "layer"),
                    help="check that routed experts are resident once per forward, rerunning it layer by layer "
                         "after a miss (forward), or at every MoE layer (layer) (default forward)")
+    g.add_argument("--eviction", choices=EVICTIONS,
+                   help="which expert a full layer pool evicts: the least frequently (lfu) or least recently (lru) "
+                        f"routed (default {DEFAULTS.eviction}; plan --trace compares them on a recorded trace)")
     g = p.add_argument_group("prefetch")
     g.add_argument("--prefetch", nargs="?", const=True, default=None, type=_prefetch, metavar="auto",
                    help="read predicted experts in the background; --prefetch auto: on or off, whichever decodes "

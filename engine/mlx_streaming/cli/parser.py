@@ -169,7 +169,7 @@ def _command(sub, name: str, func, **texts) -> argparse.ArgumentParser:
 BENCH_MODES = (
     ("--sweep", None, "greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes"),
     ("--io", None, "disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)"),
-    ("--prefetch-report", None, "greedy: naive, LRU, LRU + prefetch (ahead 0/1, mult 1/2) side by side, with "
+    ("--prefetch-report", None, "greedy: naive, the pool, the pool + prefetch (ahead 0/1, mult 1/2) side by side, with "
                                 "diagnostics"),
     ("--k-report", None, "MTP speculation at K = 1, 2, 3, 4 and auto, interleaved: tok/s and auto over the best K"),
     ("--prefetch-auto-report", None, "greedy with prefetch off, on and auto, interleaved: tok/s and auto over the "

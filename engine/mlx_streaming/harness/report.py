@@ -61,7 +61,7 @@ def policy_table(rows: list) -> str:
               "slots); in brackets, points from Belady's offline optimum of the same pool shape")
 
 
-def trace_table(rows: list, disk_gbps: float, pin_hot: int) -> str:
+def trace_table(rows: list, disk_gbps: float, pin_hot: int, eviction: str) -> str:
     """``residency.trace.curve`` as a table: pool size against hit rate, disk traffic and the I/O-bound decode rate."""
     from tabulate import tabulate
 
@@ -69,5 +69,5 @@ def trace_table(rows: list, disk_gbps: float, pin_hot: int) -> str:
             for r in rows]
     return (tabulate(body, headers=["slots/layer", "pool MB", "hit rate", "disk MB/token", "I/O-bound tok/s"],
                      floatfmt=(".0f", ".2f", ".3f", ".3f", ".1f"))
-            + f"\nreplayed through the engine's LRU policy; disk MB and tok/s per decoded token at {disk_gbps:g} GB/s"
+            + f"\nreplayed through the engine's {eviction.upper()} eviction; disk MB and tok/s per decoded token at {disk_gbps:g} GB/s"
             + (f"; {pin_hot} most routed experts per layer pinned" if pin_hot else ""))

@@ -37,7 +37,7 @@ class PrefetchHooks:
             return
         target, ranked = plan
         start = time.perf_counter()
-        policy = store.pool.policies[target]
-        missing = store.predictor.within_budget([e for e in ranked if policy.slot(e) is None])
+        slots = store.pool.slots[target]
+        missing = store.predictor.within_budget([e for e in ranked if slots[e] < 0])
         accepted = store.prefetcher.submit(target, missing)
         store.predictor.submitted(target, missing, accepted, time.perf_counter() - start)

@@ -6,8 +6,9 @@ them is evicted to make room for another), a call with more distinct experts tha
 engine splits it (``expert_groups``), and every policy gets the same bytes: ``slots`` experts per MoE layer, kept
 either as one pool per layer or as one pool of ``slots x layers`` shared by all layers.
 
-- LRU: the least recently used expert goes (the engine's policy; per layer it equals ``trace.replay``);
-- LFU: the expert with the fewest uses since the trace began goes (ties: least recently used);
+- LRU: the least recently used expert goes (per layer it equals the engine's ``--eviction lru``, ``trace.replay``);
+- LFU: the expert with the fewest uses since the trace began goes (ties: least recently used; per layer it equals
+  the engine's default, ``--eviction lfu``);
 - LRU-2: the expert whose second most recent use is oldest goes (used once: first; ties: least recently used),
   a frequency-aware LRU that a single burst does not fool;
 - Belady: the expert whose next use is furthest in the future goes (never again: first). It reads the future, so

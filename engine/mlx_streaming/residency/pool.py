@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
-from .policy import LRUSlots, expert_groups
+from .policy import SlotBook, expert_groups
 
 _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 _MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
@@ -39,9 +39,11 @@ def flat_routes(routes: List[tuple]) -> mx.array:
 
 
 class ExpertPool:
-    def __init__(self, index: ExpertIndex, capacity: int):
+    def __init__(self, index: ExpertIndex, capacity: int, eviction: str = "lfu"):
         self.index = index
-        self.capacity = min(capacity, index.num_experts)
+        #: Which expert sits in which slot, and which goes when a slot is needed (``policy.SlotBook``).
+        self.book = SlotBook(index.layers, index.num_experts, capacity, eviction)
+        self.capacity = self.book.capacity
         #: Per layer, per expert tensor name, the pool array (``capacity`` slots).
         self.arrays: Dict[int, Dict[str, mx.array]] = {
             layer: {name: mx.zeros((self.capacity, *shape), dtype=_MX_DTYPES[dtype])
@@ -50,17 +52,13 @@ class ExpertPool:
         }
         mx.eval(self.arrays)
         #: A pool with a slot for every expert keeps expert e in slot e: routes index it directly.
-        self.identity = self.capacity == index.num_experts
-        #: Per layer, a tick per expert touched in bulk (``touch``) and not yet applied to its LRU order.
-        self._pending = np.full((len(index.layers), index.num_experts), -1, dtype=np.int64)
-        self._tick = 0
-        self.policies = {layer: LRUSlots(self.capacity, self.identity, self._pending[row])
-                         for row, layer in enumerate(index.layers)}
-        #: Per layer, expert id -> slot (-1: not resident). A route's key in the table flattened is
-        #: ``_key_base[layer] + expert``: one number per (layer, expert), which a check both looks up and counts.
-        self._table = np.full((len(index.layers), index.num_experts), -1, dtype=np.int32)
-        self.slots = {layer: self._table[row] for row, layer in enumerate(index.layers)}
-        self._key_base = {layer: row * index.num_experts for row, layer in enumerate(index.layers)}
+        self.identity = self.book.identity
+        #: Per layer, expert id -> slot (-1: not resident): the book's table, a row per layer. A route's key in
+        #: the table flattened is ``_key_base[layer] + expert``: one number per (layer, expert), which a check
+        #: both looks up and counts.
+        self._table = self.book.table
+        self.slots = {layer: self._table[row] for layer, row in self.book.row.items()}
+        self._key_base = {layer: row * index.num_experts for layer, row in self.book.row.items()}
         self._device: Dict[int, Optional[mx.array]] = dict.fromkeys(index.layers)
         #: Every expert of every layer resident in a pool with a slot for each: then no forward can miss.
         self.complete = False
@@ -103,13 +101,9 @@ class ExpertPool:
         return bool(self.resident_keys(keys).all())
 
     def touch(self, keys: np.ndarray) -> int:
-        """A resident forward's routes (``keys``), touched in every layer's LRU order at once: each layer's
-        distinct experts in ascending order, as the per-layer path touches them (applied by each layer's
-        ``LRUSlots`` when its order is next read). Returns how many distinct (layer, expert) were routed."""
-        distinct = np.unique(keys)
-        self._pending.reshape(-1)[distinct] = self._tick + np.arange(distinct.size)
-        self._tick += distinct.size
-        return distinct.size
+        """A resident forward's routes (``keys``), touched in every layer at once (``SlotBook.touch``). Returns
+        how many distinct (layer, expert) were routed."""
+        return self.book.touch(keys)
 
     @property
     def table_size(self) -> int:
@@ -118,21 +112,15 @@ class ExpertPool:
 
     def groups(self, layer: int, experts: Sequence[int]) -> List[List[int]]:
         """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""
-        return expert_groups(experts, self.policies[layer].pinned, self.capacity)
+        return expert_groups(experts, self.book.pinned(layer), self.capacity)
 
     def place(self, layer: int, experts: List[int], staged: Dict[int, list], protected: set) -> Tuple[list, int]:
         """Write each expert's ``staged`` host buffers (one per tensor, in ``index.slices`` order) into a free or
         evicted slot of ``layer`` (never one of ``protected``); the arrays are left to evaluate. Returns the
         (expert, slot) pairs placed and the number of experts evicted."""
-        policy, slots = self.policies[layer], self.slots[layer]
-        placed, evictions = [], 0
-        for expert in experts:
-            slot, evicted = policy.place(expert, protected)
-            if evicted is not None:
-                evictions += 1
-                slots[evicted] = -1
-            slots[expert] = slot
-            placed.append((expert, slot))
+        placed = self.book.place(layer, experts, protected)
+        evictions = sum(evicted is not None for _, _, evicted in placed)
+        placed = [(expert, slot) for expert, slot, _ in placed]
         if self.batched and len(placed) > 1:
             self._write_batched(layer, placed, staged)
         else:

@@ -28,7 +28,7 @@ FIELDS = {
                   "host, expert groups evaluated, the deferred check, a preloaded pool's hit count (one per "
                   "bulk.COUNT_EVERY forwards of several tokens, and one at stats())",
     "sync_s": "seconds spent in those waits",
-    "route_s": "seconds of host bookkeeping of routes: distinct experts, residency and miss checks, LRU touches, "
+    "route_s": "seconds of host bookkeeping of routes: distinct experts, residency and miss checks, eviction-order touches, "
                "hit counts (not waits, reads or placement)",
     "deferred_forwards": "forwards run with the miss check deferred to their end",
     "deferred_retries": "of those, forwards whose check found a routed expert not resident (each is run again)",

@@ -34,7 +34,7 @@ def _distinct(routed: np.ndarray) -> List[int]:
 class ExpertStore:
     def __init__(self, index: ExpertIndex, reader: ExpertReader, capacity: int, top_k: int, record: bool = False,
                  verifier=None, prefetcher=None, predictor=None, miss_check: str = "forward",
-                 counters: Optional[ResidencyStats] = None):
+                 counters: Optional[ResidencyStats] = None, eviction: str = "lfu"):
         """``verifier`` (a ByteVerifier) checks every expert placed; ``prefetcher`` and ``predictor`` (both or
         neither) read predicted experts in the background (``prefetch.hooks``): the store is built with every
         part it uses, and with the one ``counters`` object they all count into."""
@@ -43,7 +43,7 @@ class ExpertStore:
                 f"pool_slots={capacity} is below num_experts_per_tok={top_k}: one token needs {top_k} experts resident"
             )
         self.index, self.reader, self.top_k = index, reader, top_k
-        self.pool = ExpertPool(index, capacity)
+        self.pool = ExpertPool(index, capacity, eviction)
         self.capacity = self.pool.capacity
         self.counters = counters or ResidencyStats()
         self.guard = MissGuard(self.pool, self.counters, miss_check, self._account, self._only_counted, self._acquire_call)
@@ -150,15 +150,15 @@ class ExpertStore:
     def acquire(self, layer: int, experts: Sequence[int]) -> List[int]:
         """Make ``experts`` (distinct ids) resident in ``layer``'s pool; return their slots, in order."""
         start = time.perf_counter()
-        policy = self.pool.policies[layer]
-        pinned = policy.pinned
+        book = self.pool.book
+        pinned = book.pinned(layer)
         loose = sum(e not in pinned for e in experts)
         if loose > self.capacity - len(pinned):
             raise PoolTooSmallError(
                 f"layer {layer}: {loose} unpinned experts needed at once, but the pool has "
                 f"{self.capacity - len(pinned)} unpinned slots (pool_slots={self.capacity})"
             )
-        missing = policy.admit(experts)
+        missing = book.admit(layer, experts)
         if self.record:
             self.routed.add(layer, experts)
         if self.predictor is not None:
@@ -199,9 +199,9 @@ class ExpertStore:
 
     def pin(self, layer: int, experts: Iterable[int]) -> None:
         """Load and keep ``experts`` forever; at least ``top_k`` slots must stay unpinned."""
-        policy = self.pool.policies[layer]
+        book = self.pool.book
         experts = [int(e) for e in experts]
-        total = len(policy.pinned | set(experts))
+        total = len(book.pinned(layer) | set(experts))
         if total > self.capacity - self.top_k:
             raise PoolTooSmallError(
                 f"layer {layer}: pinning {total} experts leaves fewer than num_experts_per_tok={self.top_k} "
@@ -209,4 +209,4 @@ class ExpertStore:
             )
         self.acquire(layer, experts)
         for e in experts:
-            policy.pin(e)
+            book.pin(layer, e)

@@ -85,10 +85,10 @@ def auto_table(report: dict, what: str) -> str:
 
 
 #: The rows of ``prefetch_report``: (label, pool at its minimum, prefetch, ahead, mult).
-PREFETCH_ROWS = (("naive (pool = top_k)", True, False, 0, 1), ("LRU", False, False, 0, 1),
-                 ("LRU + prefetch ahead 0", False, True, 0, 1), ("LRU + prefetch ahead 1", False, True, 1, 1),
-                 ("LRU + prefetch ahead 0 mult 2", False, True, 0, 2),
-                 ("LRU + prefetch ahead 1 mult 2", False, True, 1, 2))
+PREFETCH_ROWS = (("naive (pool = top_k)", True, False, 0, 1), ("pool", False, False, 0, 1),
+                 ("pool + prefetch ahead 0", False, True, 0, 1), ("pool + prefetch ahead 1", False, True, 1, 1),
+                 ("pool + prefetch ahead 0 mult 2", False, True, 0, 2),
+                 ("pool + prefetch ahead 1 mult 2", False, True, 1, 2))
 
 
 def _prefetch_row(model_dir: Path, config: StreamingConfig, run: RunSettings, label: str) -> dict:
@@ -110,9 +110,9 @@ def _prefetch_row(model_dir: Path, config: StreamingConfig, run: RunSettings, la
 
 
 def prefetch_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
-    """Greedy decoding side by side: the pool at its minimum, the configured LRU pool, and LRU with prefetch
+    """Greedy decoding side by side: the pool at its minimum, the configured pool, and that pool with prefetch
     (ahead 0 and 1, mult 1 and 2, with diagnostics), plus the raw disk rate at the expert read size. With
-    ``packed_dir`` the LRU and prefetch rows run again on the packed layout."""
+    ``packed_dir`` the pool and prefetch rows run again on the packed layout."""
     from ...model import build_streaming_model
 
     with build_streaming_model(model_dir, config.replace(packed_dir=None)) as sm:
@@ -133,7 +133,7 @@ def prefetch_report(model_dir: Path, config: StreamingConfig, run: RunSettings) 
     reference = rows[1]["tok_s"]["median"]
     ids = [row.pop("ids") for row in rows]
     for row in rows:
-        row["over_lru"] = row["tok_s"]["median"] / reference
+        row["over_pool"] = row["tok_s"]["median"] / reference
     return {"model": str(model_dir), "io_mode": config.io_mode, "max_tokens": run.max_tokens,
             "repeat": run.repeat, "raw_read": raw, "ids_identical": all(i == ids[0] for i in ids), "rows": rows}
 
@@ -141,12 +141,12 @@ def prefetch_report(model_dir: Path, config: StreamingConfig, run: RunSettings) 
 def prefetch_table(report: dict) -> str:
     from tabulate import tabulate
 
-    headers = ["path", "layout", "pool", "tok/s", "x LRU", "demand loads", "prefetch hits", "demand GB/s",
+    headers = ["path", "layout", "pool", "tok/s", "x pool", "demand loads", "prefetch hits", "demand GB/s",
                "recall (decode)", "A: not finished", "A: evicted", "B: not predicted"]
     body = []
     for r in report["rows"]:
         d = (r.get("diagnostics") or {}).get("decode")
-        body.append([r["label"], r["layout"], r["pool_slots"], r["tok_s"]["median"], r["over_lru"],
+        body.append([r["label"], r["layout"], r["pool_slots"], r["tok_s"]["median"], r["over_pool"],
                      r["io"]["demand_loads"], r["io"].get("prefetch_hits", 0), r["demand_read_gbps"],
                      d["recall"] if d else "", d["a_not_finished"] if d else "", d["a_evicted"] if d else "",
                      d["b_not_predicted"] if d else ""])

@@ -59,7 +59,7 @@ def run(model_dir: Path, config: StreamingConfig, settings: RunSettings, compare
             "model": str(model_dir), "K": K, "max_tokens": n, "warmup": settings.warmup_tokens, "repeat": settings.repeat,
             "prompt": settings.prompt, "prefill_chunk": chunk, "io_mode": config.io_mode,
             "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
-            "pinned_experts": sum(len(p.pinned) for p in sm.store.pool.policies.values()),
+            "pinned_experts": sum(len(sm.store.pool.book.pinned(layer)) for layer in sm.store.index.layers),
             "exact_match": spec_ids == greedy_ids,
             "n_mismatch": sum(a != b for a, b in zip(spec_ids, greedy_ids)),
             "first_divergence": None if divergence is None else {**divergence.__dict__, "near_tie": divergence.near_tie},
