@@ -1,6 +1,8 @@
 """The deferred miss check: one host sync per forward when the routed experts are resident, the same ids and
 the same counters as checking at every MoE layer, and a correct rerun when an expert was missing."""
 
+import json
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -33,6 +35,10 @@ def test_same_ids_and_counters_as_the_per_layer_check(model_dir, reference_model
     assert {k: token_stats[k] for k in COUNTED} == {k: layer_stats[k] for k in COUNTED}
     assert token_stats["deferred_forwards"] > 0 and layer_stats["deferred_forwards"] == 0
     assert token_stats["deferred_retries"] > 0  # it tried, found a miss, reran layer by layer
+    # each failed check threw away the forward's every MoE layer call (all the model's layers are MoE layers)
+    moe_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert token_stats["rerun_layer_calls"] == moe_layers * token_stats["deferred_retries"]
+    assert layer_stats["rerun_layer_calls"] == 0
     # greedy_steps runs one step ahead: the step queued behind a miss is dropped, unchecked (at 16 slots a
     # deferred forward misses while the next is queued)
     assert token_stats["dropped_forwards"] <= token_stats["deferred_retries"]

@@ -132,6 +132,19 @@ def test_bench_prefetch_auto_report_compares_auto_with_on_and_off(model_dir):
     assert "auto / best fixed" in bench.auto_table(report, "prefetch")
 
 
+def test_bench_io_compares_the_disk_with_the_engine_at_the_benchmarks_bounded_pool(tmp_path):
+    """bench --io with no pool or io option measures the engine where it reads: the default benchmark's pool and
+    io mode, so its demand rate is not the 0 of a pool that never misses."""
+    out = subprocess.run([sys.executable, "-m", "mlx_streaming", "bench", "--io", "--max-tokens", "4", "--repeat", "1",
+                          "--json", str(tmp_path / "io.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "--pool-fraction 0.25, --io-mode direct: the benchmark's default" in out.stderr
+    result = json.loads((tmp_path / "io.json").read_text())
+    assert result["io_mode"] == "direct" and result["pool_slots"] == result["num_experts"] // 4
+    assert result["greedy_io"]["demand_loads"] > 0 and result["demand_read_gbps"] > 0
+    assert "of the ceiling" in out.stdout
+
+
 def test_bench_with_no_options_streams_from_disk_beside_in_memory(tmp_path):
     """The main job: no pool or io option given, bench streams at a quarter-size pool with the page cache
     bypassed, beside mlx-lm's in-memory model. Bare K and MAXTOK left in the shell change nothing."""

@@ -115,17 +115,23 @@ def test_pin_hot_pins_the_calibration_runs_hottest_experts(model_dir):
 
 def test_batched_placement_writes_the_bytes_slot_writes_write(model_dir, prompt_ids):
     """The GPU backend's placement (one scatter per expert tensor for a load's experts) and the CPU backend's (a
-    write per slot) leave the same pool and decode the same ids; each is forced here on this backend."""
-    pools, ids = {}, {}
+    write per slot) leave the same pool and decode the same ids; each is forced here on this backend. The slot
+    writes write each placed expert's tensors one by one; the scatters each tensor once per load."""
+    pools, ids, stats = {}, {}, {}
     for batched in (False, True):
         with build_streaming_model(model_dir, StreamingConfig(pool_slots=12, verify=True)) as sm:
             sm.store.pool.batched = batched
             ids[batched] = greedy_generate(sm.model, prompt_ids[1], 12)
-            assert sm.store.stats()["verify_calls"] > 0  # each placed expert's slot read back against its bytes
+            stats[batched] = sm.store.stats()
+            assert stats[batched]["verify_calls"] > 0  # each placed expert's slot read back against its bytes
+            tensors = len(sm.store.index.tensor_specs)
             layer = sm.store.index.layers[0]
             pools[batched] = (sm.store.pool.slots[layer].copy(),
                               {name: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
                                for name, a in sm.store.pool.arrays[layer].items()})
     assert ids[False] == ids[True]
+    assert stats[False]["pool_writes"] == tensors * stats[False]["misses"]
+    # at least one load per MoE layer call that missed, and fewer writes than one per tensor per expert
+    assert tensors * stats[True]["fallback"] <= stats[True]["pool_writes"] < stats[False]["pool_writes"]
     assert (pools[False][0] == pools[True][0]).all()
     assert all((pools[False][1][n] == pools[True][1][n]).all() for n in pools[False][1])

@@ -36,8 +36,8 @@ def main(argv=None) -> int:
             used = _bench_defaults_used(args, config)
             if used:
                 _say(f"mlx-streaming bench: {', '.join(f'{_flag_of(args, n)} {getattr(config, n)}' for n in used)}: "
-                     f"the benchmark's default, beside mlx-lm's in-memory model (--pool-fraction 1 keeps every "
-                     f"expert resident, --io-mode buffered reads through the page cache)")
+                     f"the benchmark's default (--pool-fraction 1 keeps every expert resident, --io-mode buffered "
+                     f"reads through the page cache)")
             if args.command in BUILDS and getattr(args, "processes", None) is None:
                 _say(_with_flags(plan.describe(), args.flags))
         args.func(args)

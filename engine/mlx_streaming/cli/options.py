@@ -152,16 +152,21 @@ def _bench_report(args):
     return next((name for name in BENCH_REPORTS if getattr(args, name, None) not in (None, False)), None)
 
 
+#: ``bench``'s runs that take ``BENCH_DEFAULTS`` where nothing else sets a pool size or the io mode: the default
+#: benchmark (also in fresh processes) and ``--io``, whose demand rate means nothing at a pool that never misses.
+BENCH_DEFAULTED = (None, "processes", "io")
+
+
 def _command_defaults(args) -> dict:
     defaults = dict(getattr(args, "config_defaults", None) or {})
-    if args.command == "bench" and _bench_report(args) in (None, "processes"):
+    if args.command == "bench" and _bench_report(args) in BENCH_DEFAULTED:
         defaults.update(BENCH_DEFAULTS)
     return defaults
 
 
 def _bench_defaults_used(args, config: StreamingConfig) -> list:
     """The ``BENCH_DEFAULTS`` the default benchmark took (nothing else set a pool size or the io mode)."""
-    if args.command != "bench" or _bench_report(args) not in (None, "processes"):
+    if args.command != "bench" or _bench_report(args) not in BENCH_DEFAULTED:
         return []
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StreamingConfig) if hasattr(args, f.name)}
     plain = environment.settings(say=lambda line: None, **given)[0]

@@ -168,7 +168,8 @@ def _command(sub, name: str, func, **texts) -> argparse.ArgumentParser:
 #: ``bench``'s report options, one at a time: (flag, its argparse keywords beyond help (None: a switch), help).
 BENCH_MODES = (
     ("--sweep", None, "greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes"),
-    ("--io", None, "disk: raw read rate at the expert size vs the engine's demand-load rate (greedy)"),
+    ("--io", None, "disk: the best read rate over request sizes and read threads vs the engine's demand-load rate "
+                   "(greedy; at the benchmark's default pool and io mode unless given)"),
     ("--prefetch-report", None, "greedy: naive, the pool, the pool + prefetch (ahead 0/1, mult 1/2) side by side, with "
                                 "diagnostics"),
     ("--k-report", None, "MTP speculation at K = 1, 2, 3, 4 and auto, interleaved: tok/s and auto over the best K"),

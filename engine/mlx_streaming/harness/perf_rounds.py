@@ -29,13 +29,17 @@ WORK_COUNTERS = {
     "read_calls": "system reads issued by the reader (after merging adjacent ranges)",
     "host_syncs": "the engine's waits for the device on the forward path (routes or predictions brought to "
                   "the host, a grouped call's partial output, the deferred check)",
+    "rerun_layer_calls": "MoE layer calls computed by a deferred forward whose check found a miss, discarded and run "
+                         "again",
+    "pool_writes": "array writes placing experts into the pool (per expert tensor: one per placed expert, or one "
+                   "per load where a load's experts are written by one scatter)",
     "verify_calls": "experts checked by byte-truth verification",
     "spec_steps": "speculative verify steps",
     "accepted_drafts": "drafts accepted by speculative verification",
 }
 #: Counters exact for every scenario, and those exact only without prefetch (with prefetch, which reads finish
 #: before their acquire, and so what is read on demand, depends on timing).
-EXACT = ("routed", "experts_placed", "host_syncs")
+EXACT = ("routed", "experts_placed", "host_syncs", "rerun_layer_calls", "pool_writes")
 EXACT_WITHOUT_PREFETCH = EXACT + ("demand_loads", "bytes_read", "read_calls", "verify_calls")
 
 
@@ -99,6 +103,7 @@ def work_counters(stats: Mapping, reader_reads: int, tokens: int, spec: Optional
         "routed": stats["hits"] + stats["misses"], "experts_placed": stats["misses"],
         "demand_loads": stats["demand_loads"], "prefetch_loads": stats.get("prefetch_loads", 0),
         "bytes_read": stats["bytes_read"], "read_calls": reader_reads, "host_syncs": stats["host_syncs"],
+        "rerun_layer_calls": stats["rerun_layer_calls"], "pool_writes": stats["pool_writes"],
         "verify_calls": stats.get("verify_calls", 0),
         "spec_steps": spec["steps"] if spec else 0, "accepted_drafts": spec["accepted_drafts"] if spec else 0,
     }

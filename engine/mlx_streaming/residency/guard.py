@@ -163,6 +163,7 @@ class MissGuard:
         self.counters.route_s += time.perf_counter() - start
         if not resident:
             self.counters.deferred_retries += 1
+            self.counters.rerun_layer_calls += len(routes)
             self._missed = True
             self._resume = self._one_layer_missed(routes, hosted, keys)
         else:

@@ -29,9 +29,10 @@ class ExpertLoader:
         """Place ``experts`` (not resident) into ``layer``'s pool, evicting none of ``protected``."""
         staged, taken = self._read(layer, experts)
         start = time.perf_counter()
-        placed, evictions = self.pool.place(layer, experts, staged, protected)
+        placed, evictions, writes = self.pool.place(layer, experts, staged, protected)
         self.counters.place_s += time.perf_counter() - start
         self.counters.evictions += evictions
+        self.counters.pool_writes += writes
         self.counters.misses += len(experts)
         self.counters.prefetched += taken
         if self.verifier is not None:

@@ -114,23 +114,26 @@ class ExpertPool:
         """Split one call's distinct experts into groups that each fit the pool beside the pinned ones."""
         return expert_groups(experts, self.book.pinned(layer), self.capacity)
 
-    def place(self, layer: int, experts: List[int], staged: Dict[int, list], protected: set) -> Tuple[list, int]:
+    def place(self, layer: int, experts: List[int], staged: Dict[int, list], protected: set) -> Tuple[list, int, int]:
         """Write each expert's ``staged`` host buffers (one per tensor, in ``index.slices`` order) into a free or
         evicted slot of ``layer`` (never one of ``protected``); the arrays are left to evaluate. Returns the
-        (expert, slot) pairs placed and the number of experts evicted."""
+        (expert, slot) pairs placed, the number of experts evicted and the writes into the pool's arrays."""
         placed = self.book.place(layer, experts, protected)
         evictions = sum(evicted is not None for _, _, evicted in placed)
         placed = [(expert, slot) for expert, slot, _ in placed]
+        tensors = len(self.arrays[layer])
         if self.batched and len(placed) > 1:
             self._write_batched(layer, placed, staged)
+            writes = tensors
         else:
             arrays = self.arrays[layer]
             for expert, slot in placed:
                 for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
                     arrays[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
+            writes = tensors * len(placed)
         self._device[layer] = None
         self.complete = self.identity and bool((self._table >= 0).all())
-        return placed, evictions
+        return placed, evictions, writes
 
     def _write_batched(self, layer: int, placed: List[Tuple[int, int]], staged: Dict[int, list]) -> None:
         """One host array and one scatter per expert tensor for all of ``placed``: two array operations per

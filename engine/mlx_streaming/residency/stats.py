@@ -19,6 +19,8 @@ FIELDS = {
     "evictions": "resident experts evicted to make room",
     "demand_bytes": "bytes read on the main thread at acquire (demand reads)",
     "read_s": "seconds spent in demand reads",
+    "pool_writes": "array writes into the pool's arrays: a slot write of one placed expert's tensor, or one scatter "
+                   "of a tensor of all the experts one load places",
     "place_s": "seconds placing bytes into the pool (host copies and queued slot writes; the writes run at the "
                "forward's next wait)",
     "fastpath": "MoE layer calls whose routed experts were all resident",
@@ -34,6 +36,8 @@ FIELDS = {
     "deferred_retries": "of those, forwards whose check found a routed expert not resident (each is run again)",
     "resumed_forwards": "of those, forwards run again deferred, after loading the one MoE layer whose experts their "
                         "check found missing (the others: run again layer by layer)",
+    "rerun_layer_calls": "MoE layer calls of deferred forwards whose check found a routed expert not resident: "
+                         "computed, discarded, and run again",
     "dropped_forwards": "deferred forwards a decode loop queued one step ahead and dropped unchecked (after a "
                         "retry of the step before, or when it stopped)",
     "prefetch_submitted": "prefetch requests queued",
