@@ -1,29 +1,43 @@
 """KChooser: the tokens per verify (K; 1 = no speculation) that maximise tokens per second, chosen while decoding.
 
 Speculation pays only where a K-token verify costs much less than K decode steps (an accelerator bound by
-memory bandwidth); on a compute-bound CPU it costs about K steps and loses. So nothing is assumed: the chooser
-measures, per K, the wall seconds of a whole step (drafting, the verify, the commit) and, per draft position,
-how often a draft is accepted given the drafts before it were. A step at K is then expected to commit
-``1 + sum_i prod_{j<=i} p_j`` tokens (``p_j``: position j's acceptance, Laplace-smoothed), and the chooser picks
-the K with the most expected tokens per second. Every K is probed ``PROBE_STEPS`` times first; afterwards the
-K measured longest ago is probed once every ``REPROBE_EVERY`` steps, so the choice follows drifting costs and
-acceptance. Exactness does not depend on K: every step commits greedy's ids.
+memory bandwidth); on a compute-bound CPU it costs about K steps and loses, and at a bounded pool a verify also
+loads the union of its tokens' experts. So nothing is assumed: the chooser measures, per K, the wall seconds of
+a whole step (drafting, the verify with its loads, the commit) and, per draft position, how often a draft is
+accepted given the drafts before it were. A step at K is then expected to commit ``1 + sum_i prod_{j<=i} p_j``
+tokens (``p_j``: position j's acceptance, Laplace-smoothed), and the chooser picks the measured K with the most
+expected tokens per second.
+
+A probe of a K that does not pay costs tokens, so probes are few. The chooser climbs: K=1 first
+(``CLIMB_AFTER`` steps), then K+1 while the largest K measured is the best (a draft costs at least what the one
+before it cost and is accepted less often: where K=2 does not pay, K=3 will not). Then it probes the best K's
+neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
+(to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
+follows drifting costs and acceptance, and where speculation never pays, auto loses one K=2 step in its first
+64 and a few after. Exactness does not depend on K: every step commits greedy's ids.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from collections import deque
+from typing import Deque, Dict, List, Optional
 
 PROBE_STEPS = 1
+#: Steps at K=1 before the climb probes K=2 (the first steps after a prefill, or after other work changed the
+#: pool, cost more than the steady ones).
+CLIMB_AFTER = 4
 REPROBE_EVERY = 64
-#: Weight of the newest step in a K's cost (exponential moving average).
-COST_WEIGHT = 0.3
+REPROBE_MAX = 1024
+#: A K's cost is the mean of its last COST_WINDOW steps (of those since it last ran more than REPROBE_EVERY
+#: steps before: a reprobe's earlier measures are from another time).
+COST_WINDOW = 8
 
 
 class KChooser:
     def __init__(self, k_max: int = 4):
         self.candidates = list(range(1, k_max + 1))
-        self.cost: Dict[int, float] = {}  #: K -> seconds per step (moving average)
+        self.cost: Dict[int, float] = {}  #: K -> seconds per step (mean of its recent steps)
+        self._recent: Dict[int, Deque[float]] = {k: deque(maxlen=COST_WINDOW) for k in self.candidates}
         self.steps: Dict[int, int] = {k: 0 for k in self.candidates}
         self.seconds: Dict[int, float] = {k: 0.0 for k in self.candidates}  #: all steps at K together
         self.committed: Dict[int, int] = {k: 0 for k in self.candidates}  #: tokens those steps committed
@@ -31,21 +45,47 @@ class KChooser:
         self.tried: List[int] = [0] * k_max  #: per draft position (1-based index), drafts verified there
         self.accepted: List[int] = [0] * k_max  #: of those, accepted
         self.step = 0
+        #: Steps between reprobes, and the step of the next (None: still climbing).
+        self.interval = REPROBE_EVERY
+        self.next_reprobe: Optional[int] = None
+        self._reprobe_of: Optional[int] = None  #: the choice a reprobe running now was made against
 
     def choose(self) -> int:
-        unprobed = [k for k in self.candidates if self.steps[k] < PROBE_STEPS]
-        if unprobed:
-            return unprobed[0]
-        if self.step % REPROBE_EVERY == REPROBE_EVERY - 1:
-            return min(self.candidates, key=lambda k: self.last_step[k])
-        return self.best()
+        climb = self._climb()
+        if climb is not None:
+            return climb
+        best = self.best()
+        if self.next_reprobe is None:
+            self.next_reprobe = self.step + self.interval
+        if self.step >= self.next_reprobe:
+            self._reprobe_of = best
+            return min(self._neighbours(best), key=lambda k: self.last_step[k])
+        return best
+
+    def _climb(self) -> Optional[int]:
+        """The K the climb probes next (the one above the largest measured, where that is the best), or None."""
+        measured = [k for k in self.candidates if self.steps[k] >= PROBE_STEPS]
+        if not measured or self.steps[self.candidates[0]] < CLIMB_AFTER:
+            return self.candidates[0]
+        top = max(measured)
+        if top == self.candidates[-1] or self.best() != top:
+            return None
+        return top + 1
+
+    def _neighbours(self, k: int) -> List[int]:
+        return [n for n in (k - 1, k + 1) if n in self.steps]
 
     def best(self) -> int:
-        return max(self.candidates, key=self.expected_tok_s)
+        """The measured K with the most expected tokens per second."""
+        measured = [k for k in self.candidates if k in self.cost] or self.candidates[:1]
+        return max(measured, key=self.expected_tok_s)
 
     def record(self, k: int, seconds: float, accepted: int) -> None:
         """One step at ``k`` took ``seconds`` and accepted ``accepted`` of its ``k - 1`` drafts."""
-        self.cost[k] = seconds if k not in self.cost else (1 - COST_WEIGHT) * self.cost[k] + COST_WEIGHT * seconds
+        if self.step - self.last_step[k] > REPROBE_EVERY:
+            self._recent[k].clear()
+        self._recent[k].append(seconds)
+        self.cost[k] = sum(self._recent[k]) / len(self._recent[k])
         self.steps[k] += 1
         self.seconds[k] += seconds
         self.committed[k] += accepted + 1
@@ -54,6 +94,10 @@ class KChooser:
         for position in range(1, min(accepted + 1, k - 1) + 1):
             self.tried[position] += 1
             self.accepted[position] += position <= accepted
+        if self._reprobe_of is not None:  # a reprobe: back off while the choice stands, start over when it moves
+            kept = self.best() == self._reprobe_of
+            self.interval = min(2 * self.interval, REPROBE_MAX) if kept else REPROBE_EVERY
+            self.next_reprobe, self._reprobe_of = self.step + self.interval, None
 
     def acceptance(self, position: int) -> float:
         return (self.accepted[position] + 1) / (self.tried[position] + 2)
@@ -69,7 +113,7 @@ class KChooser:
         return self.expected_tokens(k) / self.cost[k] if self.cost.get(k) else 0.0
 
     def summary(self) -> List[dict]:
-        """Per K: steps taken, ms per step (moving average), expected tokens per step and tok/s, the tok/s its
+        """Per K: steps taken, ms per step (mean of its recent steps), expected tokens per step and tok/s, the tok/s its
         steps achieved, and whether it is the choice."""
         best = self.best() if self.cost else None
         return [{"K": k, "steps": self.steps[k], "ms_per_step": 1000 * self.cost[k] if k in self.cost else None,

@@ -127,14 +127,16 @@ def _greedy_runs(sm, config: StreamingConfig, run: RunSettings, label: str) -> t
 def _interleaved(label: str, arms: dict, run: RunSettings) -> tuple:
     """Warm every arm up (``arms``: name -> ``once(n)``, which decodes ``n`` tokens and returns (tok/s, ids,
     extra)), then ``run.repeat`` rounds running each arm once, interleaved, so a drifting machine moves them
-    alike: (tok/s per arm per round, each arm's (ids, extra) per round)."""
+    alike: (tok/s per arm per round, each arm's (ids, extra) per round). Each round starts one arm later than
+    the round before, so no arm always runs after the same one (arms that share a pool inherit its state)."""
     for once in arms.values():
         once(max(2, run.warmup_tokens))
     rates, runs = {name: [] for name in arms}, {name: [] for name in arms}
+    names = list(arms)
     for i in range(run.repeat):
         _say(f"{label}: round {i + 1}/{run.repeat}")
-        for name, once in arms.items():
-            rate, ids, extra = once(run.max_tokens)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            rate, ids, extra = arms[name](run.max_tokens)
             rates[name].append(rate)
             runs[name].append((ids, extra))
     return rates, runs
