@@ -64,3 +64,18 @@ def test_acceptance_is_counted_per_draft_position():
     assert (chooser.tried[1:], chooser.accepted[1:]) == ([1, 1, 0], [1, 0, 0])
     chooser.record(3, 1.0, 2)  # both drafts accepted
     assert (chooser.tried[1:], chooser.accepted[1:]) == ([2, 2, 0], [2, 1, 0])
+
+
+def test_a_probe_slowed_by_its_switch_is_probed_again_before_the_climb_stops():
+    """The first step at a new K can cost more than its steady ones (the loads of a larger union of experts): a K
+    close behind the best after one step is probed again, and the climb goes on where its steady steps pay."""
+    seen = set()
+
+    def cost(k):
+        first = k not in seen
+        seen.add(k)
+        return (0.010 + 0.004 * (k - 1)) * (1.3 if first and k > 1 else 1.0)
+
+    chooser = KChooser()
+    chosen = _run(chooser, 100, cost=cost, acceptance=1.0)  # every draft accepted: the costs alone decide
+    assert chosen[CLIMB_AFTER:CLIMB_AFTER + 3] == [2, 2, 3] and chooser.best() > 1

@@ -117,7 +117,9 @@ def test_bench_k_report_compares_auto_with_every_fixed_k(model_dir):
     fixed = {k: v["median"] for k, v in report["tok_s"].items() if k != "auto"}
     assert str(report["best_fixed"]) == max(fixed, key=fixed.get)
     assert report["auto_over_best"] == report["tok_s"]["auto"]["median"] / max(fixed.values())
-    assert sum(report["auto_k_steps"].values()) >= 4  # every K probed once
+    # 8 tokens: the chooser's first CLIMB_AFTER steps at K=1, then K=2 once (no more than 7 steps in all)
+    assert report["auto_k_steps_per_round"] == [report["auto_k_steps"]] and report["auto_k_steps"]["1"] >= 4
+    assert len(report["tok_s_per_round"]["auto"]) == 1
     assert "auto / best fixed" in bench.auto_table(report, "K")
 
 

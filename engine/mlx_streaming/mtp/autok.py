@@ -10,7 +10,8 @@ expected tokens per second.
 
 A probe of a K that does not pay costs tokens, so probes are few. The chooser climbs: K=1 first
 (``CLIMB_AFTER`` steps), then K+1 while the largest K measured is the best (a draft costs at least what the one
-before it cost and is accepted less often: where K=2 does not pay, K=3 will not). Then it probes the best K's
+before it cost and is accepted less often: where K=2 does not pay, K=3 will not); a K close behind the best
+(``UNSURE``) is probed a few more steps before the climb stops. Then it probes the best K's
 neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
 (to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
 follows drifting costs and acceptance, and where speculation never pays, auto loses one K=2 step in its first
@@ -26,6 +27,11 @@ PROBE_STEPS = 1
 #: Steps at K=1 before the climb probes K=2 (the first steps after a prefill, or after other work changed the
 #: pool, cost more than the steady ones).
 CLIMB_AFTER = 4
+#: A climb's K whose first steps read within this share of the best K's expected tokens per second is probed
+#: again, up to PROBE_MAX steps, before the climb stops below it (one step can be a switch's transient: the
+#: loads of a larger union of experts).
+UNSURE = 0.9
+PROBE_MAX = 4
 REPROBE_EVERY = 64
 REPROBE_MAX = 1024
 #: A K's cost is the mean of its last COST_WINDOW steps (of those since it last ran more than REPROBE_EVERY
@@ -63,14 +69,17 @@ class KChooser:
         return best
 
     def _climb(self) -> Optional[int]:
-        """The K the climb probes next (the one above the largest measured, where that is the best), or None."""
+        """The K the climb probes next (the one above the largest measured, where that is the best; the largest
+        measured again, where it is close behind the best and probed less than PROBE_MAX times), or None."""
         measured = [k for k in self.candidates if self.steps[k] >= PROBE_STEPS]
         if not measured or self.steps[self.candidates[0]] < CLIMB_AFTER:
             return self.candidates[0]
-        top = max(measured)
-        if top == self.candidates[-1] or self.best() != top:
-            return None
-        return top + 1
+        top, best = max(measured), self.best()
+        if best == top:
+            return top + 1 if top < self.candidates[-1] else None
+        if self.steps[top] < PROBE_MAX and self.expected_tok_s(top) >= UNSURE * self.expected_tok_s(best):
+            return top
+        return None
 
     def _neighbours(self, k: int) -> List[int]:
         return [n for n in (k - 1, k + 1) if n in self.steps]

@@ -126,11 +126,11 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
 
     unfed: List[Tuple[int, mx.array]] = []  # (token, hidden) pairs of steps without drafts, not yet fed
     while produced < max_tokens:
-        step_start = time.perf_counter()
         k = chooser.choose() if chooser else K
         if k > 1 and unfed:  # the head drafts again: feed it the positions it missed (at most UNFED_KEPT)
             drafter.extend([t for t, _ in unfed], mx.concatenate([h for _, h in unfed], axis=1))
             unfed = []
+        step_start = time.perf_counter()  # the chooser weighs K's steady step, not the catch-up of a switch to it
         drafts = drafter.propose(k - 1) if k > 1 else []
         clock.lap("draft")
         snapshot = [list(c.cache) for c in recurrent_caches(cache)] if commit_mode == "replay" else None

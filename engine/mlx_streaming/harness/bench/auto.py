@@ -35,10 +35,10 @@ def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict
             return once
 
         rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, run)
-        chosen = runs["auto"][-1][1]
+        steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, chosen in runs["auto"]]
         return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": run.max_tokens,
-                "repeat": run.repeat, **_versus_best(rates, "auto"),
-                "auto_k_steps": {str(k): chosen.count(k) for k in sorted(set(chosen))},
+                "repeat": run.repeat, **_versus_best(rates, "auto"), "tok_s_per_round": rates,
+                "auto_k_steps": steps[-1], "auto_k_steps_per_round": steps,
                 "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
 
 
