@@ -173,11 +173,11 @@ class MissGuard:
     def _one_layer_missed(self, routes: List[tuple], hosted: np.ndarray, keys: np.ndarray) -> Optional[tuple]:
         """(layer, its routes on the host, the forward's tokens) where one route of ``routes`` has experts not
         resident, else None."""
-        sizes = [indices.size for _, indices in routes]
-        missed = np.unique(np.repeat(np.arange(len(routes)), sizes)[~self.pool.resident_keys(keys)])
+        missed = np.unique(_route_of_keys(routes)[~self.pool.resident_keys(keys)])
         if missed.size != 1:
             return None
         r = int(missed[0])
+        sizes = [indices.size for _, indices in routes]
         start = sum(sizes[:r])
         layer, indices = routes[r]
         return layer, hosted[start:start + sizes[r]].reshape(indices.shape), indices.size // indices.shape[-1]
@@ -186,7 +186,7 @@ class MissGuard:
         """``routes``, ``hosted`` and ``keys`` without the layers ``loaded`` (accounted when they were loaded)."""
         if not self.loaded:
             return routes, hosted, keys
-        keep = np.repeat([layer not in self.loaded for layer, _ in routes], [i.size for _, i in routes])
+        keep = np.array([layer not in self.loaded for layer, _ in routes], dtype=bool)[_route_of_keys(routes)]
         return [r for r in routes if r[0] not in self.loaded], hosted[keep], keys[keep]
 
     # ------------------------------------------------------------ a complete pool: counted later, in bulk
@@ -246,3 +246,9 @@ class MissGuard:
             mx.eval([check.output for check in self._queued])
             self.counters.dropped_forwards += len(self._queued)
             self._queued = []
+
+
+def _route_of_keys(routes: List[tuple]) -> np.ndarray:
+    """For each key of ``routes``' keys (``ExpertPool.keys``: every routed expert, route by route), its route's
+    index in ``routes``."""
+    return np.repeat(np.arange(len(routes)), [indices.size for _, indices in routes])
