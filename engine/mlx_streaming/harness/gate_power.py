@@ -61,17 +61,19 @@ def _record(models: Dict, yardsticks: Dict, prompt, tokens: int, rounds: Dict[st
     scenario's rounds' token costs, that yardstick's rounds' token costs)."""
     pairs = {label: {scenario: ([], []) for scenario in models} for label in yardsticks}
     planted = [perf_rounds.PlantedSlowdown(sm, plants.get(scenario, 0.0)) for scenario, sm in models.items()]
-    for n in range(max(rounds.values())):
-        for scenario, sm in models.items():
-            if n >= rounds[scenario]:
-                continue
-            for label in (list(yardsticks) if n % 2 == 0 else list(yardsticks)[::-1]):
-                pairs[label][scenario][1].append(yardsticks[label](unit)[0])
-            costs = perf_rounds.token_costs(greedy_steps(sm.model, prompt, tokens), unit)[0]
-            for label in yardsticks:
-                pairs[label][scenario][0].append(costs)
-    for plant in planted:
-        plant.seconds = 0.0
+    try:
+        for n in range(max(rounds.values())):
+            for scenario, sm in models.items():
+                if n >= rounds[scenario]:
+                    continue
+                for label in (list(yardsticks) if n % 2 == 0 else list(yardsticks)[::-1]):
+                    pairs[label][scenario][1].append(yardsticks[label](unit)[0])
+                costs = perf_rounds.token_costs(greedy_steps(sm.model, prompt, tokens), unit)[0]
+                for label in yardsticks:
+                    pairs[label][scenario][0].append(costs)
+    finally:
+        for plant in planted:
+            plant.remove()
     return pairs
 
 

@@ -135,7 +135,12 @@ class PlantedSlowdown:
 
     def __init__(self, sm, seconds: float = 0.0):
         self.seconds = seconds
-        sm.store.guard.forward_hooks.append(self)
+        self._hooks = sm.store.guard.forward_hooks
+        self._hooks.append(self)
+
+    def remove(self) -> None:
+        """Take this slowdown out of the model's forward hooks."""
+        self._hooks.remove(self)
 
     def __call__(self, tokens: int) -> None:
         if self.seconds:
