@@ -129,6 +129,8 @@ def test_prefetcher_merges_bounds_staging_serves_and_drops_stale(index_and_reade
         truth = reader.read([(s.path, s.offset, s.nbytes) for s in index.slices(0, 1)])
         assert [b.tobytes() for b in buffers] == [t.tobytes() for t in truth]
         assert counters.prefetch_hits == 1 and pf.take(0, 1) is None  # taken once
+        # read before it was taken: all of its read time was hidden from the taker
+        assert counters.prefetch_read_s > 0 and counters.prefetch_hidden_s == counters.prefetch_read_s
         pf.drop_layer(0)  # expert 2 is stale once layer 0 has its experts
         assert counters.prefetch_dropped == 1 and pf.take(0, 2) is None
         while pf.staging_bytes and time.monotonic() < deadline:  # an in-flight read is discarded
@@ -151,6 +153,8 @@ def test_prefetching_decodes_the_same_ids_and_every_prefetched_expert_is_verifie
     assert prefetcher.alive_threads == 0  # close() stopped them
     assert ids == greedy_generate(reference_model, prompt_ids[2], 24)
     assert stats["prefetched"] == stats["prefetch_hits"] > 0
+    assert stats["prefetch_read_s"] > 0 and 0 <= stats["prefetch_hidden_s"] <= stats["prefetch_read_s"]
+    assert stats["hidden_read_share"] == stats["prefetch_hidden_s"] / (stats["read_s"] + stats["prefetch_read_s"])
     assert stats["verify_calls"] == stats["misses"] == stats["verify_ok"] > stats["demand_loads"]
     assert stats["verify_bad"] == 0
     decode = diag["decode"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from typing import List, Optional, Sequence, Tuple
@@ -24,10 +25,11 @@ Key = Tuple[int, int]
 
 
 class _Entry:
-    __slots__ = ("state", "nbytes", "buffers", "error", "stale")
+    __slots__ = ("state", "nbytes", "buffers", "error", "stale", "read_s")
 
     def __init__(self, nbytes: int):
         self.state, self.nbytes, self.buffers, self.error, self.stale = QUEUED, nbytes, None, None, False
+        self.read_s = 0.0  #: seconds its read took on a worker thread
 
 
 class Prefetcher:
@@ -88,15 +90,20 @@ class Prefetcher:
             if entry.state == QUEUED:
                 self._discard(key, entry)
                 return None
+            waited = 0.0
             if entry.state == READING:
                 self.counters.prefetch_waited += 1
+                start = time.perf_counter()
                 while entry.state == READING:
                     self._cv.wait()
+                waited = time.perf_counter() - start
             buffers = entry.buffers
             self._discard(key, entry)
             if entry.state != READY:
                 return None
             self.counters.prefetch_hits += 1
+            self.counters.prefetch_read_s += entry.read_s
+            self.counters.prefetch_hidden_s += max(0.0, entry.read_s - waited)
             return buffers
 
     def drop_layer(self, layer: int) -> None:
@@ -150,12 +157,13 @@ class Prefetcher:
                 entry.state = READING
             layer, expert = key
             slices = self.index.slices(layer, expert)
+            start = time.perf_counter()
             try:
                 buffers, error = self.reader.read([(s.path, s.offset, s.nbytes) for s in slices]), None
             except ExpertIOError as exc:
                 buffers, error = None, exc
             with self._cv:
-                entry.buffers, entry.error = buffers, error
+                entry.buffers, entry.error, entry.read_s = buffers, error, time.perf_counter() - start
                 entry.state = READY if error is None else FAILED
                 if error is None:
                     self.counters.prefetch_loads += 1

@@ -46,6 +46,9 @@ FIELDS = {
     "prefetch_loads": "expert reads the prefetcher's threads completed",
     "prefetch_hits": "acquires served from staging",
     "prefetch_waited": "of those, acquires that waited for a read still running",
+    "prefetch_read_s": "seconds the prefetcher's threads spent reading the experts acquires then took from staging",
+    "prefetch_hidden_s": "of those, seconds no acquire waited for (each read's time less the wait for it): read "
+                         "time hidden behind compute",
     "prefetch_dropped": "stale staged entries discarded (queued, being read or read) and failed reads",
     "prefetch_read_failures": "prefetch reads that failed (the demand read then serves)",
     "prefetch_staging_peak": "most host bytes the prefetcher held at once",

@@ -100,7 +100,7 @@ def _prefetch_row(model_dir: Path, config: StreamingConfig, run: RunSettings, la
         row = {"label": label, "layout": "packed" if config.packed_dir else "scattered", "pool_slots": sm.store.capacity,
                "prefetch": config.prefetch, "ahead": config.prefetch_ahead, "mult": config.prefetch_mult,
                "tok_s": _spread(rates), "io": counters, "place_s": s["place_s"], "read_s": s["read_s"],
-               "demand_read_gbps": _demand_gbps(s), "ids": ids}
+               "demand_read_gbps": _demand_gbps(s), "hidden_read_share": s["hidden_read_share"], "ids": ids}
         if sm.store.predictor is not None:
             row["diagnostics"] = sm.store.predictor.diagnostics.stats()
     recall = row["diagnostics"]["decode"]["recall"] if "diagnostics" in row else None
@@ -142,13 +142,13 @@ def prefetch_table(report: dict) -> str:
     from tabulate import tabulate
 
     headers = ["path", "layout", "pool", "tok/s", "x pool", "demand loads", "prefetch hits", "demand GB/s",
-               "recall (decode)", "A: not finished", "A: evicted", "B: not predicted"]
+               "read time hidden", "recall (decode)", "A: not finished", "A: evicted", "B: not predicted"]
     body = []
     for r in report["rows"]:
         d = (r.get("diagnostics") or {}).get("decode")
         body.append([r["label"], r["layout"], r["pool_slots"], r["tok_s"]["median"], r["over_pool"],
                      r["io"]["demand_loads"], r["io"].get("prefetch_hits", 0), r["demand_read_gbps"],
-                     d["recall"] if d else "", d["a_not_finished"] if d else "", d["a_evicted"] if d else "",
+                     r["hidden_read_share"], d["recall"] if d else "", d["a_not_finished"] if d else "", d["a_evicted"] if d else "",
                      d["b_not_predicted"] if d else ""])
     raw = report["raw_read"]
     return (tabulate(body, headers=headers, floatfmt=".3f") +
