@@ -77,4 +77,7 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     assert report["ceiling"]["best"]["gbps"] == max(c["gbps"] for c in cells) > 0
     assert report["demand_read_gbps"] > 0
     assert report["demand_over_ceiling"] == report["demand_read_gbps"] / report["ceiling"]["best"]["gbps"]
-    assert "of the ceiling" in io_table(report)
+    placement = report["placement"]
+    assert placement["bytes"] == placement["experts"] * report["expert_bytes"] and placement["experts"] == 32
+    assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
+    assert "of the ceiling" in io_table(report) and "a plain copy of the same bytes" in io_table(report)

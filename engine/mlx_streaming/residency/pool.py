@@ -39,16 +39,18 @@ def flat_routes(routes: List[tuple]) -> mx.array:
 
 
 class ExpertPool:
-    def __init__(self, index: ExpertIndex, capacity: int, eviction: str = "lfu"):
+    def __init__(self, index: ExpertIndex, capacity: int, eviction: str = "lfu", layers: Optional[Sequence[int]] = None):
+        """A pool for every MoE layer of ``index``, or for ``layers`` alone (a probe's)."""
         self.index = index
+        layers = list(index.layers if layers is None else layers)
         #: Which expert sits in which slot, and which goes when a slot is needed (``policy.SlotBook``).
-        self.book = SlotBook(index.layers, index.num_experts, capacity, eviction)
+        self.book = SlotBook(layers, index.num_experts, capacity, eviction)
         self.capacity = self.book.capacity
         #: Per layer, per expert tensor name, the pool array (``capacity`` slots).
         self.arrays: Dict[int, Dict[str, mx.array]] = {
             layer: {name: mx.zeros((self.capacity, *shape), dtype=_MX_DTYPES[dtype])
                     for name, (dtype, shape) in index.tensor_specs.items()}
-            for layer in index.layers
+            for layer in layers
         }
         mx.eval(self.arrays)
         #: A pool with a slot for every expert keeps expert e in slot e: routes index it directly.
@@ -59,7 +61,7 @@ class ExpertPool:
         self._table = self.book.table
         self.slots = {layer: self._table[row] for layer, row in self.book.row.items()}
         self._key_base = {layer: row * index.num_experts for layer, row in self.book.row.items()}
-        self._device: Dict[int, Optional[mx.array]] = dict.fromkeys(index.layers)
+        self._device: Dict[int, Optional[mx.array]] = dict.fromkeys(layers)
         #: Every expert of every layer resident in a pool with a slot for each: then no forward can miss.
         self.complete = False
         #: Whether a load's experts are written with one scatter per tensor (``_write_batched``) rather than one

@@ -35,6 +35,43 @@ def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0, batch
             "reads_per_expert": reader.reads / experts}
 
 
+def placement_probe(index, io_mode: str, experts: int = 32, seed: int = 0) -> dict:
+    """The engine's placement of ``experts`` random experts of one layer (read first) into a fresh pool of that
+    many slots (``ExpertPool.place``, its writes then evaluated) against a plain copy of the same host buffers
+    to the device (an array per buffer, evaluated): bytes per second each, and placement over the copy. Each
+    is timed three times, the best kept."""
+    import mlx.core as mx
+    import numpy as np
+
+    from ...residency.pool import ExpertPool
+
+    layer = index.layers[0]
+    picks = np.random.default_rng(seed).choice(index.num_experts, min(experts, index.num_experts), replace=False)
+    picks = [int(e) for e in picks]
+    reader = ExpertReader(io_mode)
+    try:
+        staged = {e: reader.read([(s.path, s.offset, s.nbytes) for s in index.slices(layer, e)]) for e in picks}
+    finally:
+        reader.close()
+    nbytes = len(picks) * index.expert_bytes
+
+    def place() -> float:
+        pool = ExpertPool(index, len(picks), layers=[layer])
+        start = time.perf_counter()
+        pool.place(layer, picks, staged, set(picks))
+        mx.eval(list(pool.arrays[layer].values()))
+        return time.perf_counter() - start
+
+    def copy() -> float:
+        start = time.perf_counter()
+        mx.eval([mx.array(buf) for e in picks for buf in staged[e]])
+        return time.perf_counter() - start
+
+    place_s, copy_s = min(place() for _ in range(3)), min(copy() for _ in range(3))
+    return {"experts": len(picks), "bytes": nbytes, "place_gbps": nbytes / place_s / 1e9,
+            "copy_gbps": nbytes / copy_s / 1e9, "place_over_copy": copy_s / place_s}
+
+
 #: ``bench --io``'s grid for the disk's ceiling: experts per read call x native read threads.
 CEILING_BATCHES = (1, 4, 16)
 
@@ -57,19 +94,22 @@ def _demand_gbps(stats: dict) -> float:
 
 
 def io_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
-    """The disk's ceiling (``io_ceiling``), then greedy decoding at the configured pool and io mode: the
-    engine's demand-load rate (bytes read / seconds in demand reads) against the ceiling."""
+    """The disk's ceiling (``io_ceiling``), placement against a plain copy (``placement_probe``), then greedy
+    decoding at the configured pool and io mode: the engine's demand-load rate (bytes read / seconds in demand
+    reads) against the ceiling."""
     from ...model import build_streaming_model
 
     with build_streaming_model(model_dir, config) as sm:
         _say(f"disk ceiling: request sizes x read threads ({config.io_mode})")
         ceiling = io_ceiling(sm.store.index, config.io_mode, sm.store.top_k)
+        _say("placement against a plain copy of the same bytes")
+        placement = placement_probe(sm.store.index, config.io_mode)
         rates, ids, counters, s = _greedy_runs(sm, config, run, "greedy")
         demand = _demand_gbps(s)
         return {"model": str(model_dir), "io_mode": config.io_mode, "layout": "packed" if config.packed_dir else "scattered",
                 "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
                 "expert_bytes": sm.store.index.expert_bytes, "max_tokens": run.max_tokens, "repeat": run.repeat,
-                "ceiling": ceiling, "demand_read_gbps": demand, "demand_over_ceiling": demand / ceiling["best"]["gbps"],
+                "ceiling": ceiling, "placement": placement, "demand_read_gbps": demand, "demand_over_ceiling": demand / ceiling["best"]["gbps"],
                 "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
                 "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}
 
@@ -85,4 +125,6 @@ def io_table(report: dict) -> str:
               f"threads). The engine's demand loads (greedy, pool {report['pool_slots']} of {report['num_experts']}, "
               f"{report['max_tokens']} tokens x {report['repeat']}): {report['demand_read_gbps']:.3f} GB/s = "
               f"{report['demand_over_ceiling']:.2f} of the ceiling, {1000 * report['read_s_per_token']:.2f} ms reading "
-              f"per token")
+              f"per token. Placement of {report['placement']['experts']} experts into a pool: "
+              f"{report['placement']['place_gbps']:.3f} GB/s, a plain copy of the same bytes "
+              f"{report['placement']['copy_gbps']:.3f} GB/s: {report['placement']['place_over_copy']:.2f} of it")
