@@ -14,8 +14,8 @@ before it cost and is accepted less often: where K=2 does not pay, K=3 will not)
 (``UNSURE``) is probed a few more steps before the climb stops. Then it probes the best K's
 neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
 (to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
-follows drifting costs and acceptance, and where speculation never pays, auto loses one K=2 step in its first
-64 and a few after. Exactness does not depend on K: every step commits greedy's ids.
+follows drifting costs and acceptance, and where speculation never pays, auto spends one K=2 step (at most
+PROBE_MAX, where K=2 reads close) in its first 64 and a few after. Exactness does not depend on K: every step commits greedy's ids.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ class KChooser:
         return self.expected_tokens(k) / self.cost[k] if self.cost.get(k) else 0.0
 
     def summary(self) -> List[dict]:
-        """Per K: steps taken, ms per step (mean of its recent steps), expected tokens per step and tok/s, the tok/s its
-        steps achieved, and whether it is the choice."""
+        """Per K: steps taken, ms per step (mean of its recent steps), expected tokens per step and tok/s, the
+        tok/s its steps achieved, and whether it is the choice."""
         best = self.best() if self.cost else None
         return [{"K": k, "steps": self.steps[k], "ms_per_step": 1000 * self.cost[k] if k in self.cost else None,
                  "expected_tokens_per_step": self.expected_tokens(k), "expected_tok_s": self.expected_tok_s(k),
