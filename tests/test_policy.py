@@ -138,7 +138,7 @@ def test_touches_made_in_bulk_evict_as_touches_made_one_by_one(eviction):
     for _ in range(400):
         routes = {layer: sorted(set(rng.zipf(1.5, 4).clip(1, 32) - 1)) for layer in layers}
         if all(bulk.slot(layer, e) is not None for layer, experts in routes.items() for e in experts):
-            keys = np.concatenate([bulk.row[layer] * 32 + np.array(experts) for layer, experts in routes.items()])
+            keys = np.concatenate([bulk.key_base[layer] + np.array(experts) for layer, experts in routes.items()])
             touched += bulk.touch(keys)
             assert all(one_by_one.admit(layer, experts) == [] for layer, experts in routes.items())
             continue

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Deque, Dict, List, Optional
 
-PROBE_STEPS = 1
 #: Steps at K=1 before the climb probes K=2 (the first steps after a prefill, or after other work changed the
 #: pool, cost more than the steady ones).
 CLIMB_AFTER = 4
@@ -71,7 +70,7 @@ class KChooser:
     def _climb(self) -> Optional[int]:
         """The K the climb probes next (the one above the largest measured, where that is the best; the largest
         measured again, where it is close behind the best and probed less than PROBE_MAX times), or None."""
-        measured = [k for k in self.candidates if self.steps[k] >= PROBE_STEPS]
+        measured = [k for k in self.candidates if k in self.cost]
         if not measured or self.steps[self.candidates[0]] < CLIMB_AFTER:
             return self.candidates[0]
         top, best = max(measured), self.best()

@@ -12,7 +12,7 @@ not need:
 
 Per (layer, expert) the book keeps its slot (-1: not resident), its latest touch (a tick of one clock shared by
 every layer) and its uses, in arrays of a row per layer: a forward's routes are looked up and touched for every
-layer at once by their flat keys (``row * num_experts + expert``, ``touch``).
+layer at once by their flat keys (``key_base[layer] + expert``, ``touch``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class SlotBook:
         self.capacity = min(capacity, num_experts)
         self.identity = self.capacity == num_experts
         self.row = {layer: row for row, layer in enumerate(layers)}
+        #: Per layer, the flat key of its expert 0: (layer, expert)'s key is ``key_base[layer] + expert``.
+        self.key_base = {layer: row * num_experts for layer, row in self.row.items()}
         shape = (len(self.row), num_experts)
         #: Per layer, expert id -> slot (-1: not resident).
         self.table = np.full(shape, -1, dtype=np.int32)
@@ -75,7 +77,7 @@ class SlotBook:
         row = self.table[self.row[layer]]
         missing = [e for e in experts if row[e] < 0]
         hits = [e for e in experts if row[e] >= 0] if missing else list(experts)
-        self._stamp(self.row[layer] * self.num_experts + np.array(hits, dtype=np.int64))
+        self._stamp(self.key_base[layer] + np.array(hits, dtype=np.int64))
         return missing
 
     def place(self, layer: int, experts: Sequence[int], protected: Collection[int] = ()) -> List[Tuple[int, int, Optional[int]]]:
@@ -98,7 +100,7 @@ class SlotBook:
             row[victims] = -1
             placed = list(zip(experts, slots, [None] * taken + victims))
         row[list(experts)] = [slot for _, slot, _ in placed]
-        self._stamp(r * self.num_experts + np.array(experts, dtype=np.int64))
+        self._stamp(self.key_base[layer] + np.array(experts, dtype=np.int64))
         return placed
 
     def _victims(self, layer: int, n: int, protected: Collection[int]) -> List[int]:

@@ -56,11 +56,10 @@ class ExpertPool:
         #: A pool with a slot for every expert keeps expert e in slot e: routes index it directly.
         self.identity = self.book.identity
         #: Per layer, expert id -> slot (-1: not resident): the book's table, a row per layer. A route's key in
-        #: the table flattened is ``_key_base[layer] + expert``: one number per (layer, expert), which a check
+        #: the table flattened is ``book.key_base[layer] + expert``: one number per (layer, expert), which a check
         #: both looks up and counts.
         self._table = self.book.table
         self.slots = {layer: self._table[row] for layer, row in self.book.row.items()}
-        self._key_base = {layer: row * index.num_experts for layer, row in self.book.row.items()}
         self._device: Dict[int, Optional[mx.array]] = dict.fromkeys(layers)
         #: Every expert of every layer resident in a pool with a slot for each: then no forward can miss.
         self.complete = False
@@ -90,7 +89,7 @@ class ExpertPool:
         """One key per routed expert of ``routes`` ((layer, indices) pairs; ``hosted``: their expert ids,
         concatenated on the host): its (layer, expert)'s flat index in the slot table, plus its forward's offset
         (``offsets``, one per route) where several forwards are counted together, so each forward's stay apart."""
-        bases = np.array([self._key_base[layer] for layer, _ in routes])
+        bases = np.array([self.book.key_base[layer] for layer, _ in routes])
         if offsets is not None:
             bases = bases + np.array(offsets)
         return np.repeat(bases, [indices.size for _, indices in routes]) + hosted
