@@ -11,6 +11,7 @@ from mlx_streaming.errors import PoolTooSmallError
 from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.io.reader import ExpertReader
 from mlx_streaming.model import build_streaming_model
+from mlx_streaming.residency.pool import WRITES
 
 
 def test_index_ranges_hold_exactly_each_experts_bytes(streaming_model, model_dir):
@@ -113,25 +114,44 @@ def test_pin_hot_pins_the_calibration_runs_hottest_experts(model_dir):
         assert all(v == 0 for v in store.stats().values())
 
 
-def test_batched_placement_writes_the_bytes_slot_writes_write(model_dir, prompt_ids):
-    """The GPU backend's placement (one scatter per expert tensor for a load's experts) and the CPU backend's (a
-    write per slot) leave the same pool and decode the same ids; each is forced here on this backend. The slot
-    writes write each placed expert's tensors one by one; the scatters each tensor once per load."""
+def test_every_way_of_writing_a_load_leaves_the_same_pool(model_dir, prompt_ids):
+    """Host writes (through a view of the pool's memory: this CPU's default), the GPU's scatters (one per expert
+    tensor for a load's experts) and slot writes (one per tensor per expert) leave the same pool and decode the
+    same ids; each is forced here on this backend. Host and slot writes write each placed expert's tensors one
+    by one; the scatters each tensor once per load."""
     pools, ids, stats = {}, {}, {}
-    for batched in (False, True):
+    for writes in WRITES:
         with build_streaming_model(model_dir, StreamingConfig(pool_slots=12, verify=True)) as sm:
-            sm.store.pool.batched = batched
-            ids[batched] = greedy_generate(sm.model, prompt_ids[1], 12)
-            stats[batched] = sm.store.stats()
-            assert stats[batched]["verify_calls"] > 0  # each placed expert's slot read back against its bytes
+            assert sm.store.pool.writes == "host"  # the CPU backend computes in host memory
+            sm.store.pool.use_writes(writes)
+            ids[writes] = greedy_generate(sm.model, prompt_ids[1], 12)
+            stats[writes] = sm.store.stats()
+            assert stats[writes]["verify_calls"] > 0  # each placed expert's slot read back against its bytes
             tensors = len(sm.store.index.tensor_specs)
             layer = sm.store.index.layers[0]
-            pools[batched] = (sm.store.pool.slots[layer].copy(),
-                              {name: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-                               for name, a in sm.store.pool.arrays[layer].items()})
-    assert ids[False] == ids[True]
-    assert stats[False]["pool_writes"] == tensors * stats[False]["misses"]
+            pools[writes] = (sm.store.pool.slots[layer].copy(),
+                             {name: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                              for name, a in sm.store.pool.arrays[layer].items()})
+    assert ids["host"] == ids["scatter"] == ids["slots"]
+    for writes in ("host", "slots"):
+        assert stats[writes]["pool_writes"] == tensors * stats[writes]["misses"]
     # at least one load per MoE layer call that missed, and fewer writes than one per tensor per expert
-    assert tensors * stats[True]["fallback"] <= stats[True]["pool_writes"] < stats[False]["pool_writes"]
-    assert (pools[False][0] == pools[True][0]).all()
-    assert all((pools[False][1][n] == pools[True][1][n]).all() for n in pools[False][1])
+    assert tensors * stats["scatter"]["fallback"] <= stats["scatter"]["pool_writes"] < stats["slots"]["pool_writes"]
+    for writes in ("scatter", "slots"):
+        assert (pools["host"][0] == pools[writes][0]).all()
+        assert all((pools["host"][1][n] == pools[writes][1][n]).all() for n in pools["host"][1])
+
+
+def test_host_writes_reach_the_arrays_the_model_computes_with(model_dir):
+    """A host write lands in the pool array at once (no array operation), the bytes MLX then reads; a backend
+    whose views do not reach the arrays is refused host writes."""
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=8)) as sm:
+        pool, layer = sm.store.pool, sm.store.index.layers[0]
+        name, array = next(iter(pool.arrays[layer].items()))
+        row = np.arange(pool.host_views[layer][name].shape[1], dtype=np.uint8)
+        pool.host_views[layer][name][3] = row
+        seen = array[3].view(mx.uint16) if array.dtype == mx.bfloat16 else array[3]
+        assert np.array_equal(np.array(seen).reshape(-1).view(np.uint8), row)
+        pool.host_views = {}
+        with pytest.raises(ValueError, match="host memory"):
+            pool.use_writes("host")

@@ -31,7 +31,7 @@ WORK_COUNTERS = {
                   "the host, a grouped call's partial output, the deferred check)",
     "rerun_layer_calls": "MoE layer calls computed by a deferred forward whose check found a miss, discarded and run "
                          "again",
-    "pool_writes": "array writes placing experts into the pool (per expert tensor: one per placed expert, or one "
+    "pool_writes": "writes placing experts into the pool's arrays (per expert tensor: one per placed expert, or one "
                    "per load where a load's experts are written by one scatter)",
     "verify_calls": "experts checked by byte-truth verification",
     "spec_steps": "speculative verify steps",

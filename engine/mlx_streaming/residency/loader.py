@@ -2,10 +2,12 @@
 read in one batch, all before any slot changes hands (a failed read leaves the pool as it was), then placed and
 checked by the byte verifier where there is one.
 
-Placement does not wait for the device: the slot writes are evaluated with the layer that computes over them, at
-the forward's next wait. That is safe because no pending graph reads the slots written: a layer call that loads
-has just waited for its routes, which depend on everything queued before it (earlier forwards included), and a
-call split in groups waits for each group's output before the next group may evict."""
+Placement does not wait for the device: host writes land at once (``ExpertPool.writes``), array writes are
+evaluated with the layer that computes over them, at the forward's next wait. Both are safe because no computation
+still pending reads the slots written: a layer call that loads has just waited for its routes, which depend on
+everything queued before it (earlier forwards included); a call split in groups waits for each group's output
+before the next group may evict; and a deferred forward whose check found a miss is loaded for only after it, and
+every forward queued behind it, has been evaluated (``MissGuard``)."""
 
 from __future__ import annotations
 

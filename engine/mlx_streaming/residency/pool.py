@@ -1,10 +1,21 @@
 """ExpertPool: per MoE layer, pool arrays with ``capacity`` slots per expert tensor, the slot tables that say
 which expert each slot holds, and placement.
 
-The pool arrays are what the streaming switch computes with. Writing a slot (``arrays[slot] = x``) updates the
-array in place because nothing else holds its buffer between steps. The host's slot table is one array, a row
-per layer, kept with every placement and eviction, so that one lookup checks every layer's routes; the device's
-copy, per layer, serves forwards that take their slots without a host sync, and is rebuilt after a placement.
+The pool arrays are what the streaming switch computes with. How a load's bytes get into them (``WRITES``) is
+chosen per backend when the pool is built:
+
+- ``host``: where the device computes in the host's memory (MLX's CPU backend, Apple silicon's unified memory),
+  each tensor's bytes are copied into the pool array's own memory through a NumPy view of it: one memcpy, no
+  array operation. Chosen only when a probe at build finds that a write through the view reaches the array;
+- ``scatter``: a GPU with memory of its own (where each MLX operation costs 0.1-0.2 ms whatever its size): one
+  host array and one scatter per expert tensor for all of a load's experts;
+- ``slots``: elsewhere, one slot write (``arrays[slot] = x``, in place: nothing else holds the buffer) per tensor
+  per expert.
+
+A host write lands at once, not when a graph runs: it is safe because no computation still pending reads the
+slots written (``loader``'s docstring says why). The host's slot table is one array, a row per layer, kept with
+every placement and eviction, so that one lookup checks every layer's routes; the device's copy, per layer,
+serves forwards that take their slots without a host sync, and is rebuilt after a placement.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from ..checkpoint.experts import ExpertIndex
 from .policy import SlotBook, expert_groups
 
 _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+WRITES = ("host", "scatter", "slots")
 _MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 
 
@@ -63,10 +75,11 @@ class ExpertPool:
         self._device: Dict[int, Optional[mx.array]] = dict.fromkeys(layers)
         #: Every expert of every layer resident in a pool with a slot for each: then no forward can miss.
         self.complete = False
-        #: Whether a load's experts are written with one scatter per tensor (``_write_batched``) rather than one
-        #: slot write per tensor per expert. Each MLX operation costs about 0.1-0.2 ms on a GPU backend whatever
-        #: its size, so there batching wins; on the CPU backend a scatter runs slower than slot writes.
-        self.batched = mx.default_device().type == mx.DeviceType.gpu
+        #: Per layer, per expert tensor, a NumPy view of the pool array's memory, one row of bytes per slot
+        #: (``host`` writes only).
+        self.host_views: Dict[int, Dict[str, np.ndarray]] = {}
+        #: How a load's experts are written (``WRITES``; the module's docstring says which backend gets which).
+        self.writes = self._choose_writes()
 
     @property
     def nbytes(self) -> int:
@@ -123,7 +136,13 @@ class ExpertPool:
         evictions = sum(evicted is not None for _, _, evicted in placed)
         placed = [(expert, slot) for expert, slot, _ in placed]
         tensors = len(self.arrays[layer])
-        if self.batched and len(placed) > 1:
+        if self.writes == "host":
+            views = self.host_views[layer]
+            for expert, slot in placed:
+                for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
+                    views[s.tensor][slot] = buf
+            writes = tensors * len(placed)
+        elif self.writes == "scatter" and len(placed) > 1:
             self._write_batched(layer, placed, staged)
             writes = tensors
         else:
@@ -136,6 +155,25 @@ class ExpertPool:
         self.complete = self.identity and bool((self._table >= 0).all())
         return placed, evictions, writes
 
+    def _choose_writes(self) -> str:
+        """``host`` where the device computes in host memory and a probe write through a view of every pool array
+        reaches it (then ``host_views`` holds the views), else ``scatter`` on a GPU, else ``slots``."""
+        unified = mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
+        if unified:
+            views = {layer: {name: _host_view(a) for name, a in arrays.items()} for layer, arrays in self.arrays.items()}
+            if all(v is not None for per in views.values() for v in per.values()):
+                self.host_views = views
+                return "host"
+        return "scatter" if mx.default_device().type == mx.DeviceType.gpu else "slots"
+
+    def use_writes(self, writes: str) -> None:
+        """Write loads the ``writes`` way from now on (a bench or test comparing the ways on one backend)."""
+        if writes not in WRITES:
+            raise ValueError(f"writes must be one of {', '.join(WRITES)}, got {writes!r}")
+        if writes == "host" and not self.host_views:
+            raise ValueError("host writes need a backend whose arrays live in host memory")
+        self.writes = writes
+
     def _write_batched(self, layer: int, placed: List[Tuple[int, int]], staged: Dict[int, list]) -> None:
         """One host array and one scatter per expert tensor for all of ``placed``: two array operations per
         tensor, not two per tensor per expert."""
@@ -144,3 +182,24 @@ class ExpertPool:
         for t, s in enumerate(self.index.slices(layer, placed[0][0])):
             host = np.stack([staged[expert][t].view(_NP_DTYPES[s.dtype]).reshape(s.shape) for expert, _ in placed])
             arrays[s.tensor][where] = _to_mx(host, s.dtype, host.shape)
+
+
+def _host_view(array: mx.array) -> Optional[np.ndarray]:
+    """A writable NumPy view of ``array``'s memory (evaluated, contiguous), one row of bytes per slot (its first
+    axis), or None where a write through it does not reach the array (the buffer protocol gave a copy, or a
+    layout other than the array's own)."""
+    exported = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array  # NumPy has no bfloat16
+    mx.eval(exported)
+    try:
+        view = np.array(exported, copy=False)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if view.flags.owndata or not view.flags.c_contiguous or not view.flags.writeable or view.nbytes != array.nbytes:
+        return None
+    rows = view.reshape(array.shape[0], -1).view(np.uint8)
+    probe = np.arange(1, rows.shape[1] + 1, dtype=np.uint8)
+    rows[-1] = probe
+    last = array[-1]  # read back through the array the model computes with
+    seen = np.array(last.view(mx.uint16) if last.dtype == mx.bfloat16 else last).reshape(-1).view(np.uint8)
+    rows[-1] = 0
+    return rows if np.array_equal(seen, probe) else None

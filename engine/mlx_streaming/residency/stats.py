@@ -19,10 +19,10 @@ FIELDS = {
     "evictions": "resident experts evicted to make room",
     "demand_bytes": "bytes read on the main thread at acquire (demand reads)",
     "read_s": "seconds spent in demand reads",
-    "pool_writes": "array writes into the pool's arrays: a slot write of one placed expert's tensor, or one scatter "
-                   "of a tensor of all the experts one load places",
-    "place_s": "seconds placing bytes into the pool (host copies and queued slot writes; the writes run at the "
-               "forward's next wait)",
+    "pool_writes": "writes into the pool's arrays: a host copy or slot write of one placed expert's tensor, or one "
+                   "scatter of a tensor of all the experts one load places",
+    "place_s": "seconds placing bytes into the pool (host writes, or host arrays and queued array writes, which run "
+               "at the forward's next wait)",
     "fastpath": "MoE layer calls whose routed experts were all resident",
     "fallback": "MoE layer calls with at least one routed expert not resident",
     "grouped": "MoE layer calls that routed to more experts than fit and ran in groups",
