@@ -186,6 +186,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp
     (["bench", "--prefetch", "--mult", "1000"], ["--mult 1000", "at most 32"]),
     (["generate", "--pool-fraction", "1.5"], ["--pool-fraction must be in (0, 1]"]),
     (["generate", "--pool-slots", "0"], ["--pool-slots must be positive"]),
+    (["generate", "--read-threads", "0"], ["--read-threads must be at least 1", "got 0"]),
     (["generate", "--memory-budget", "1000T"], ["--memory-budget", "more than this machine's memory"]),
     (["chat", "--temp", "-1"], ["--temp -1.0"]),
     (["serve", "--top-p", "0"], ["--top-p 0.0"]),

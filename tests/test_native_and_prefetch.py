@@ -211,3 +211,14 @@ def test_prefetch_settings_are_checked():
         StreamingConfig(prefetch_ahead=2)
     with pytest.raises(ConfigError, match="staging_bytes"):
         StreamingConfig(staging_bytes=0)
+
+
+def test_demand_reads_run_with_the_read_threads_configured(model_dir, prompt_ids, monkeypatch):
+    """``read_threads`` (``--read-threads``) is the depth every demand read call runs at."""
+    depths = []
+    real = native.read_batch
+    monkeypatch.setattr(native, "read_batch", lambda requests, threads: depths.append(threads) or real(requests, threads))
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=8, read_threads=3)) as sm:
+        greedy_generate(sm.model, prompt_ids[0], 4)
+        assert sm.store.stats()["misses"] > 0
+    assert depths and set(depths) == {3}

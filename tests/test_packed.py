@@ -70,7 +70,7 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     from mlx_streaming.harness.bench import io_report, io_table
     from mlx_streaming.run_settings import RunSettings
 
-    report = io_report(model_dir, StreamingConfig(pool_slots=6, io_mode="direct"),
+    report = io_report(model_dir, StreamingConfig(pool_slots=6, io_mode="direct", read_threads=3),
                        RunSettings(max_tokens=4, warmup_tokens=0, repeat=1))
     cells = report["ceiling"]["cells"]
     assert {(c["batch"], c["threads"]) for c in cells} == {(b, t) for b in (1, 4, 16) for t in (1, 2, 4, 8)}
@@ -81,3 +81,7 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     assert placement["bytes"] == placement["experts"] * report["expert_bytes"] and placement["experts"] == 32
     assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
     assert "of the ceiling" in io_table(report) and "a plain copy of the same bytes" in io_table(report)
+    # the engine read with the threads it was given (no cell of the grid runs 3): the table names the best depth
+    best = report["ceiling"]["best"]["threads"]
+    assert report["read_threads"] == 3 and f"--read-threads 3): " in io_table(report)
+    assert f"try --read-threads {best})" in io_table(report)

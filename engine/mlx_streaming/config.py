@@ -16,6 +16,8 @@ from .residency.policy import EVICTIONS
 from .run_settings import DEFAULT_PROMPT
 
 IO_MODES = ("buffered", "direct")
+#: Native read threads per read call, unless ``read_threads`` says otherwise.
+READ_THREADS = 4
 #: The knobs that size the expert pool; at most one may be set (none: every expert resident).
 POOL_SIZES = ("pool_slots", "pool_bytes", "memory_budget", "pool_fraction")
 MISS_CHECKS = ("forward", "layer")
@@ -46,6 +48,9 @@ class StreamingConfig:
     memory_allowance: Optional[int] = None
     #: ``buffered`` reads through the page cache; ``direct`` bypasses it (O_DIRECT / F_NOCACHE).
     io_mode: str = "buffered"
+    #: Native read threads per read call: a demand load's ranges are all issued at once, this many in flight
+    #: (``bench --io`` names the disk's best).
+    read_threads: int = READ_THREADS
     #: Read experts from the packed layout in this folder (``mlx-streaming repack``) instead of the shards.
     packed_dir: Optional[str] = None
     #: Count every routed (layer, expert) so that ``store.routed.hot(layer, n)`` can name the hottest experts.
@@ -114,7 +119,7 @@ class StreamingConfig:
             raise ConfigError(f"prefetch must be on, off or auto, got {self.prefetch!r}")
         if self.prefetch_ahead not in (0, 1):
             raise ConfigError(f"prefetch_ahead must be 0 or 1, got {self.prefetch_ahead}")
-        for name in ("prefetch_mult", "prefetch_threads", "staging_bytes"):
+        for name in ("read_threads", "prefetch_mult", "prefetch_threads", "staging_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("pin_hot", "memory_allowance", "prefetch_layer_budget", "prefetch_forward_budget"):

@@ -180,7 +180,7 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     top_k = experts_per_token(model_config)
     plan = _plan(ckpt, config)
     capacity = plan.slots
-    reader = reader or ExpertReader(config.io_mode)
+    reader = reader or ExpertReader(config.io_mode, config.read_threads)
     main_sites = {i: site for i, site in ckpt.sites.items() if ckpt.head is None or i < model_config["num_hidden_layers"]}
     counters = ResidencyStats()
     prefetcher = predictor = None

@@ -42,6 +42,7 @@ ENV_NAMES = {
     ENV_PREFIX + "MEMORY_BUDGET": ("memory_budget", parse_size),
     ENV_PREFIX + "POOL_FRACTION": ("pool_fraction", float),
     ENV_PREFIX + "IO_MODE": ("io_mode", str),
+    ENV_PREFIX + "READ_THREADS": ("read_threads", int),
     ENV_PREFIX + "PREFILL_CHUNK": ("prefill_chunk", int),
     ENV_PREFIX + "PIN_HOT": ("pin_hot", int),
     ENV_PREFIX + "PIN_CAL_TOKENS": ("pin_cal_tokens", int),

@@ -86,6 +86,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "is read while decoding and no forward waits for a miss check (MLX_STREAMING_PRELOAD=1)")
     g.add_argument("--io-mode", choices=("buffered", "direct"),
                    help=f"read experts through the page cache or bypass it (default {DEFAULTS.io_mode})")
+    g.add_argument("--read-threads", type=int, metavar="N",
+                   help="reads in flight per read call: every range a MoE layer call misses is issued at once, N at "
+                        f"a time (default {DEFAULTS.read_threads}; bench --io names the disk's best)")
     g.add_argument("--packed", dest="packed_dir", metavar="DIR", help="read experts from this packed layout (mlx-streaming repack)")
     g.add_argument("--verify", action="store_true", default=None,
                    help="byte truth: check every expert placed into the pool against its checksum (STG_VERIFY=1)")

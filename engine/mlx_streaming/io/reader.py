@@ -19,12 +19,9 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from ..config import IO_MODES
+from ..config import IO_MODES, READ_THREADS
 from ..errors import ConfigError, ExpertIOError
 from . import native
-
-#: Native read threads per reader call (reads of one expert's tensors, or of several experts, overlap).
-READ_THREADS = 4
 
 
 class ExpertReader:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-
-from ...config import StreamingConfig
+from ...config import READ_THREADS, StreamingConfig
 from ...run_settings import RunSettings
-from ...io.reader import READ_THREADS, ExpertReader
+from ...io.reader import ExpertReader
 from .common import _greedy_runs, _say, _spread
 
 
@@ -108,7 +107,8 @@ def io_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dic
         demand = _demand_gbps(s)
         return {"model": str(model_dir), "io_mode": config.io_mode, "layout": "packed" if config.packed_dir else "scattered",
                 "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
-                "expert_bytes": sm.store.index.expert_bytes, "max_tokens": run.max_tokens, "repeat": run.repeat,
+                "expert_bytes": sm.store.index.expert_bytes, "read_threads": config.read_threads,
+                "max_tokens": run.max_tokens, "repeat": run.repeat,
                 "ceiling": ceiling, "placement": placement, "demand_read_gbps": demand, "demand_over_ceiling": demand / ceiling["best"]["gbps"],
                 "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
                 "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}
@@ -123,8 +123,15 @@ def io_table(report: dict) -> str:
             + f"\nio_mode={report['io_mode']} ({report['layout']} layout), {report['expert_bytes']} B per expert, 256 "
               f"random experts per cell. Ceiling {best['gbps']:.3f} GB/s ({best['batch']} per call, {best['threads']} "
               f"threads). The engine's demand loads (greedy, pool {report['pool_slots']} of {report['num_experts']}, "
-              f"{report['max_tokens']} tokens x {report['repeat']}): {report['demand_read_gbps']:.3f} GB/s = "
+              f"{report['max_tokens']} tokens x {report['repeat']}, --read-threads {report['read_threads']}): "
+              f"{report['demand_read_gbps']:.3f} GB/s = "
               f"{report['demand_over_ceiling']:.2f} of the ceiling, {1000 * report['read_s_per_token']:.2f} ms reading "
-              f"per token. Placement of {report['placement']['experts']} experts into a pool: "
+              f"per token{_depth_advice(report)}. Placement of {report['placement']['experts']} experts into a pool: "
               f"{report['placement']['place_gbps']:.3f} GB/s, a plain copy of the same bytes "
               f"{report['placement']['copy_gbps']:.3f} GB/s: {report['placement']['place_over_copy']:.2f} of it")
+
+
+def _depth_advice(report: dict) -> str:
+    """Where the disk's best cell ran another number of reads in flight than the engine: the option that matches it."""
+    best = report["ceiling"]["best"]["threads"]
+    return f" (the disk's best cell ran {best} threads: try --read-threads {best})" if best != report["read_threads"] else ""
