@@ -8,7 +8,7 @@ chosen per backend when the pool is built:
   each tensor's bytes are copied into the pool array's own memory through a NumPy view of it: one memcpy, no
   array operation. Chosen only when a probe at build finds that a write through the view reaches the array;
 - ``scatter``: a GPU with memory of its own (where each MLX operation costs 0.1-0.2 ms whatever its size): one
-  host array and one scatter per expert tensor for all of a load's experts;
+  host array of the whole load and one scatter per expert tensor;
 - ``slots``: elsewhere, one slot write (``arrays[slot] = x``, in place: nothing else holds the buffer) per tensor
   per expert.
 
@@ -30,6 +30,8 @@ from .policy import SlotBook, expert_groups
 
 _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 WRITES = ("host", "scatter", "slots")
+#: Byte alignment of each tensor's part in a batched load's host array.
+_BLOCK_ALIGN = 16
 _MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 
 
@@ -175,13 +177,22 @@ class ExpertPool:
         self.writes = writes
 
     def _write_batched(self, layer: int, placed: List[Tuple[int, int]], staged: Dict[int, list]) -> None:
-        """One host array and one scatter per expert tensor for all of ``placed``: two array operations per
-        tensor, not two per tensor per expert."""
-        arrays = self.arrays[layer]
+        """One host array of all of ``placed``'s bytes (one copy to the device), then one scatter per expert
+        tensor of its part (a view: no copy): 1 + tensors array operations per load, whatever its size."""
+        arrays, n = self.arrays[layer], len(placed)
+        slices = self.index.slices(layer, placed[0][0])
+        blocks, offsets, at = [], [], 0
+        for t, s in enumerate(slices):
+            block = np.concatenate([staged[expert][t] for expert, _ in placed])
+            pad = -block.size % _BLOCK_ALIGN  # each tensor's part starts aligned for its dtype
+            blocks += [block, np.zeros(pad, np.uint8)]
+            offsets.append(at)
+            at += block.size + pad
+        device = mx.array(np.concatenate(blocks))
         where = mx.array([slot for _, slot in placed])
-        for t, s in enumerate(self.index.slices(layer, placed[0][0])):
-            host = np.stack([staged[expert][t].view(_NP_DTYPES[s.dtype]).reshape(s.shape) for expert, _ in placed])
-            arrays[s.tensor][where] = _to_mx(host, s.dtype, host.shape)
+        for s, start in zip(slices, offsets):
+            part = device[start:start + n * s.nbytes].view(_MX_DTYPES[s.dtype]).reshape(n, *s.shape)
+            arrays[s.tensor][where] = part
 
 
 def _host_view(array: mx.array) -> Optional[np.ndarray]:
