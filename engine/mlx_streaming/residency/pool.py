@@ -181,14 +181,15 @@ class ExpertPool:
         tensor of its part (a view: no copy): 1 + tensors array operations per load, whatever its size."""
         arrays, n = self.arrays[layer], len(placed)
         slices = self.index.slices(layer, placed[0][0])
-        blocks, offsets, at = [], [], 0
-        for t, s in enumerate(slices):
-            block = np.concatenate([staged[expert][t] for expert, _ in placed])
-            pad = -block.size % _BLOCK_ALIGN  # each tensor's part starts aligned for its dtype
-            blocks += [block, np.zeros(pad, np.uint8)]
+        offsets, at = [], 0
+        for s in slices:  # each tensor's part starts aligned for its dtype
             offsets.append(at)
-            at += block.size + pad
-        device = mx.array(np.concatenate(blocks))
+            at += -(-n * s.nbytes // _BLOCK_ALIGN) * _BLOCK_ALIGN
+        host = np.empty(at, dtype=np.uint8)
+        for t, (s, start) in enumerate(zip(slices, offsets)):  # one host copy of every byte
+            for i, (expert, _) in enumerate(placed):
+                host[start + i * s.nbytes:start + (i + 1) * s.nbytes] = staged[expert][t]
+        device = mx.array(host)
         where = mx.array([slot for _, slot in placed])
         for s, start in zip(slices, offsets):
             part = device[start:start + n * s.nbytes].view(_MX_DTYPES[s.dtype]).reshape(n, *s.shape)
