@@ -196,3 +196,6 @@ def test_bench_loops_times_stream_generate_under_both_loops_beside_in_memory(mod
     assert report["ids_equal"] and list(report["tok_s"]) == list(bench.loops.ARMS)
     assert report["x_in_memory"][bench.loops.ARMS[0]] == 1.0 and all(v["median"] > 0 for v in report["tok_s"].values())
     assert "streaming, engine's loop" in bench.loops_table(report)
+    # each arm's host cost: main-thread CPU per decoded token, never more than the wall time the tokens took
+    for name in bench.loops.ARMS:
+        assert 0 < report["host_cpu_ms_per_token"][name] <= 1000 / report["tok_s"][name]["min"] * 1.05
