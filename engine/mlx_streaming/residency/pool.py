@@ -29,10 +29,11 @@ from ..checkpoint.experts import ExpertIndex
 from .policy import SlotBook, expert_groups
 
 _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+_MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
+#: The ways a load's bytes can be written into the pool arrays (the module's docstring).
 WRITES = ("host", "scatter", "slots")
 #: Byte alignment of each tensor's part in a batched load's host array.
 _BLOCK_ALIGN = 16
-_MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 
 
 def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
