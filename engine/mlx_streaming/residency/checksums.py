@@ -17,6 +17,7 @@ import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
 from ..checkpoint.manifest import ManifestChecksums, checksum_slices
+from .pool import numpy_exportable
 from .stats import ResidencyStats
 from ..errors import StreamingError
 from ..io.native import crc32c
@@ -51,9 +52,7 @@ class ByteVerifier:
         """Compare every tensor of ``expert`` in ``pool[...][slot]`` with its reference checksum."""
         self.counters.verify_calls += 1
         for s in self.index.slices(layer, expert):
-            held = pool[s.tensor][slot]
-            if held.dtype == mx.bfloat16:
-                held = held.view(mx.uint16)
+            held = numpy_exportable(pool[s.tensor][slot])
             expected, reference = self._expected[(layer, expert, s.tensor)]
             if crc32c(memoryview(np.ascontiguousarray(np.array(held))).cast("B")) != expected:
                 self.counters.verify_bad += 1

@@ -139,20 +139,11 @@ class ExpertPool:
         evictions = sum(evicted is not None for _, _, evicted in placed)
         placed = [(expert, slot) for expert, slot, _ in placed]
         tensors = len(self.arrays[layer])
-        if self.writes == "host":
-            views = self.host_views[layer]
-            for expert, slot in placed:
-                for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
-                    views[s.tensor][slot] = buf
-            writes = tensors * len(placed)
-        elif self.writes == "scatter" and len(placed) > 1:
+        if self.writes == "scatter" and len(placed) > 1:
             self._write_batched(layer, placed, staged)
             writes = tensors
         else:
-            arrays = self.arrays[layer]
-            for expert, slot in placed:
-                for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
-                    arrays[s.tensor][slot] = _to_mx(buf, s.dtype, s.shape)
+            self._write_each(layer, placed, staged)
             writes = tensors * len(placed)
         self._device[layer] = None
         self.complete = self.identity and bool((self._table >= 0).all())
@@ -161,13 +152,13 @@ class ExpertPool:
     def _choose_writes(self) -> str:
         """``host`` where the device computes in host memory and a probe write through a view of every pool array
         reaches it (then ``host_views`` holds the views), else ``scatter`` on a GPU, else ``slots``."""
-        unified = mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
-        if unified:
+        device = mx.default_device().type
+        if device == mx.DeviceType.cpu or mx.metal.is_available():
             views = {layer: {name: _host_view(a) for name, a in arrays.items()} for layer, arrays in self.arrays.items()}
             if all(v is not None for per in views.values() for v in per.values()):
                 self.host_views = views
                 return "host"
-        return "scatter" if mx.default_device().type == mx.DeviceType.gpu else "slots"
+        return "scatter" if device == mx.DeviceType.gpu else "slots"
 
     def use_writes(self, writes: str) -> None:
         """Write loads the ``writes`` way from now on (a bench or test comparing the ways on one backend)."""
@@ -176,6 +167,15 @@ class ExpertPool:
         if writes == "host" and not self.host_views:
             raise ValueError("host writes need a backend whose arrays live in host memory")
         self.writes = writes
+
+    def _write_each(self, layer: int, placed: List[Tuple[int, int]], staged: Dict[int, list]) -> None:
+        """Each placed expert's tensors one by one: a host copy through the pool's views (``host``), else a host
+        array written into the slot."""
+        host = self.writes == "host"
+        targets = self.host_views[layer] if host else self.arrays[layer]
+        for expert, slot in placed:
+            for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
+                targets[s.tensor][slot] = buf if host else _to_mx(buf, s.dtype, s.shape)
 
     def _write_batched(self, layer: int, placed: List[Tuple[int, int]], staged: Dict[int, list]) -> None:
         """One host array of all of ``placed``'s bytes (one copy to the device), then one scatter per expert
@@ -197,11 +197,16 @@ class ExpertPool:
             arrays[s.tensor][where] = part
 
 
+def numpy_exportable(array: mx.array) -> mx.array:
+    """``array`` as NumPy can take it: bfloat16 (which NumPy lacks) viewed as uint16, the same bytes."""
+    return array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+
+
 def _host_view(array: mx.array) -> Optional[np.ndarray]:
     """A writable NumPy view of ``array``'s memory (evaluated, contiguous), one row of bytes per slot (its first
     axis), or None where a write through it does not reach the array (the buffer protocol gave a copy, or a
     layout other than the array's own)."""
-    exported = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array  # NumPy has no bfloat16
+    exported = numpy_exportable(array)
     mx.eval(exported)
     try:
         view = np.array(exported, copy=False)
@@ -212,7 +217,6 @@ def _host_view(array: mx.array) -> Optional[np.ndarray]:
     rows = view.reshape(array.shape[0], -1).view(np.uint8)
     probe = np.arange(1, rows.shape[1] + 1, dtype=np.uint8)
     rows[-1] = probe
-    last = array[-1]  # read back through the array the model computes with
-    seen = np.array(last.view(mx.uint16) if last.dtype == mx.bfloat16 else last).reshape(-1).view(np.uint8)
+    seen = np.array(numpy_exportable(array[-1])).reshape(-1).view(np.uint8)  # read back through the array itself
     rows[-1] = 0
     return rows if np.array_equal(seen, probe) else None
