@@ -85,3 +85,19 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     best = report["ceiling"]["best"]["threads"]
     assert report["read_threads"] == 3 and f"--read-threads 3): " in io_table(report)
     assert f"try --read-threads {best})" in io_table(report)
+
+
+def test_placement_against_a_copy_that_reaches_a_device_with_memory_of_its_own(model_dir, monkeypatch):
+    """Where the device has memory of its own (CUDA), the yardstick copies each host array on the device too (an
+    array made from host bytes stays in host memory there until a kernel reads it), and the pool writes by
+    scatter or by slot, not through host views: run here with the CPU taken for such a device."""
+    from mlx_streaming.harness.bench.io_report import placement_probe
+    from mlx_streaming.model import open_checkpoint
+    from mlx_streaming.residency import pool
+
+    monkeypatch.setattr(pool, "computes_in_host_memory", lambda: False)
+    index = open_checkpoint(model_dir, StreamingConfig()).index
+    assert pool.ExpertPool(index, 4, layers=index.layers[:1]).writes == "slots"
+    placement = placement_probe(index, "buffered", experts=8)
+    assert placement["bytes"] == 8 * index.expert_bytes and placement["copy_gbps"] > 0 and placement["place_gbps"] > 0
+    assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])

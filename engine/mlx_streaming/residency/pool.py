@@ -152,13 +152,12 @@ class ExpertPool:
     def _choose_writes(self) -> str:
         """``host`` where the device computes in host memory and a probe write through a view of every pool array
         reaches it (then ``host_views`` holds the views), else ``scatter`` on a GPU, else ``slots``."""
-        device = mx.default_device().type
-        if device == mx.DeviceType.cpu or mx.metal.is_available():
+        if computes_in_host_memory():
             views = {layer: {name: _host_view(a) for name, a in arrays.items()} for layer, arrays in self.arrays.items()}
             if all(v is not None for per in views.values() for v in per.values()):
                 self.host_views = views
                 return "host"
-        return "scatter" if device == mx.DeviceType.gpu else "slots"
+        return "scatter" if mx.default_device().type == mx.DeviceType.gpu else "slots"
 
     def use_writes(self, writes: str) -> None:
         """Write loads the ``writes`` way from now on (a bench or test comparing the ways on one backend)."""
@@ -195,6 +194,13 @@ class ExpertPool:
         for s, start in zip(slices, offsets):
             part = device[start:start + n * s.nbytes].view(_MX_DTYPES[s.dtype]).reshape(n, *s.shape)
             arrays[s.tensor][where] = part
+
+
+def computes_in_host_memory() -> bool:
+    """Whether MLX's default device computes in the host's memory (the CPU backend, Apple silicon's unified
+    memory), so that an array made from host bytes is already where the device reads it; a GPU with memory of
+    its own (CUDA) reads such an array from host memory when a kernel first touches it."""
+    return mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
 
 
 def numpy_exportable(array: mx.array) -> mx.array:

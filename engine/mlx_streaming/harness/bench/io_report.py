@@ -37,12 +37,13 @@ def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0, batch
 def placement_probe(index, io_mode: str, experts: int = 32, seed: int = 0) -> dict:
     """The engine's placement of ``experts`` random experts of one layer (read first) into a fresh pool of that
     many slots (``ExpertPool.place``, its writes then evaluated) against a plain copy of the same host buffers
-    to the device (an array per buffer, evaluated): bytes per second each, and placement over the copy. Each
-    is timed three times, the best kept."""
+    to the device (an array per buffer, evaluated; where the device has memory of its own, a device copy of each
+    too: until a kernel reads it, an array made from host bytes stays in host memory there): bytes per second
+    each, and placement over the copy. Each is timed three times, the best kept."""
     import mlx.core as mx
     import numpy as np
 
-    from ...residency.pool import ExpertPool
+    from ...residency.pool import ExpertPool, computes_in_host_memory
 
     layer = index.layers[0]
     picks = np.random.default_rng(seed).choice(index.num_experts, min(experts, index.num_experts), replace=False)
@@ -61,9 +62,12 @@ def placement_probe(index, io_mode: str, experts: int = 32, seed: int = 0) -> di
         mx.eval(list(pool.arrays[layer].values()))
         return time.perf_counter() - start
 
+    to_device = not computes_in_host_memory()
+
     def copy() -> float:
         start = time.perf_counter()
-        mx.eval([mx.array(buf) for e in picks for buf in staged[e]])
+        arrays = [mx.array(buf) for e in picks for buf in staged[e]]
+        mx.eval([a * 1 for a in arrays] if to_device else arrays)
         return time.perf_counter() - start
 
     place_s, copy_s = min(place() for _ in range(3)), min(copy() for _ in range(3))
