@@ -80,7 +80,9 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     placement = report["placement"]
     assert placement["bytes"] == placement["experts"] * report["expert_bytes"] and placement["experts"] == 32
     assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
+    assert placement["place_over_one_array"] == pytest.approx(placement["place_gbps"] / placement["one_array_gbps"])
     assert "of the ceiling" in io_table(report) and "a plain copy of the same bytes" in io_table(report)
+    assert f"placement {placement['place_over_copy']:.2f} and {placement['place_over_one_array']:.2f} of them" in io_table(report)
     # the engine read with the threads it was given (no cell of the grid runs 3): the table names the best depth
     best = report["ceiling"]["best"]["threads"]
     assert report["read_threads"] == 3 and f"--read-threads 3): " in io_table(report)
@@ -88,7 +90,7 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
 
 
 def test_placement_against_a_copy_that_reaches_a_device_with_memory_of_its_own(model_dir, monkeypatch):
-    """Where the device has memory of its own (CUDA), the yardstick copies each host array on the device too (an
+    """Where the device has memory of its own (CUDA), each yardstick copies its host arrays on the device too (an
     array made from host bytes stays in host memory there until a kernel reads it), and the pool writes by
     scatter or by slot, not through host views: run here with the CPU taken for such a device."""
     from mlx_streaming.harness.bench.io_report import placement_probe
@@ -99,5 +101,6 @@ def test_placement_against_a_copy_that_reaches_a_device_with_memory_of_its_own(m
     index = open_checkpoint(model_dir, StreamingConfig()).index
     assert pool.ExpertPool(index, 4, layers=index.layers[:1]).writes == "slots"
     placement = placement_probe(index, "buffered", experts=8)
-    assert placement["bytes"] == 8 * index.expert_bytes and placement["copy_gbps"] > 0 and placement["place_gbps"] > 0
+    assert placement["bytes"] == 8 * index.expert_bytes and placement["place_gbps"] > 0
+    assert placement["copy_gbps"] > 0 and placement["one_array_gbps"] > 0
     assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
