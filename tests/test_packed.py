@@ -104,3 +104,18 @@ def test_placement_against_a_copy_that_reaches_a_device_with_memory_of_its_own(m
     assert placement["bytes"] == 8 * index.expert_bytes and placement["place_gbps"] > 0
     assert placement["copy_gbps"] > 0 and placement["one_array_gbps"] > 0
     assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
+
+
+def test_a_gpu_with_memory_of_its_own_scatters_small_experts_and_writes_large_ones_by_slot(model_dir, monkeypatch):
+    import mlx.core as mx
+
+    from mlx_streaming.model import open_checkpoint
+    from mlx_streaming.residency import pool
+
+    index = open_checkpoint(model_dir, StreamingConfig()).index
+    monkeypatch.setattr(pool, "computes_in_host_memory", lambda: False)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert index.expert_bytes < pool.SCATTER_BELOW
+    assert pool.ExpertPool(index, 4, layers=index.layers[:1]).writes == "scatter"
+    monkeypatch.setattr(pool, "SCATTER_BELOW", index.expert_bytes)  # experts as large as the bound: slot writes
+    assert pool.ExpertPool(index, 4, layers=index.layers[:1]).writes == "slots"
