@@ -59,3 +59,21 @@ def test_long_prompt_with_pool_below_one_layers_union_runs_in_groups(model_dir, 
         assert all(experts > sm.store.capacity for _, experts in prefill), prefill
         assert sm.store.stats()["grouped"] >= len(prefill)
     assert got == greedy_generate(reference_model, ids, 16, prefill_chunk=LONG_PROMPT_TOKENS)
+
+
+def test_a_call_in_groups_computes_each_route_once(model_dir, reference_model, streaming_model, monkeypatch):
+    """The one-chunk prefill of a pool below every layer's union of experts: each group computes only the routes
+    to its own experts, so every MoE layer computes its tokens x top_k routes once, as the in-memory model does
+    (not once per group)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    ids = streaming_model.tokenizer.encode("def f(x):\n    return x * 2 + 1\n" * 40)[:LONG_PROMPT_TOKENS]
+    top_k = reference_model.args.num_experts_per_tok
+    rows = []
+    call = SwitchGLU.__call__
+    monkeypatch.setattr(SwitchGLU, "__call__", lambda self, x, indices: rows.append(indices.size) or call(self, x, indices))
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=top_k + 2)) as sm:
+        mx.eval(sm.model(mx.array([ids])))
+        layers = len(sm.store.index.layers)
+        assert sm.store.stats()["grouped"] == layers  # every layer ran in groups
+    assert len(rows) > layers and sum(rows) == layers * LONG_PROMPT_TOKENS * top_k

@@ -5,7 +5,7 @@ shared expert); only its ``SwitchGLU`` / ``SwitchMLP`` is replaced, on the built
 adapter). The replacement acquires the routed experts from the store and runs mlx-lm's own switch module
 (the original, its expert arrays swapped for the pool's) with expert ids remapped to slot ids, so the
 arithmetic is the in-memory model's. A call that routes to more distinct experts than fit (a long prefill with a small pool) runs in
-expert groups that fit, each evaluated before the next may evict its experts. While the store defers its
+expert groups that fit, each computing only its own routes and evaluated before the next may evict its experts. While the store defers its
 miss check (a forward expected to find every routed expert resident), the switch reads slots from the
 store's device-side table instead, with no host sync; the store checks the routes once the forward is done.
 On a complete pool (every expert preloaded) no call can miss: none syncs, and the store counts the routes in
@@ -13,6 +13,8 @@ bulk (``MissGuard``).
 """
 
 from __future__ import annotations
+
+from typing import List
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,14 +47,24 @@ class StreamingSwitch(nn.Module):
             self._slot_of[experts] = store.acquire(layer, experts)
             store.layer_done(layer)
             return self.pool_mlp(x, indices if store.pool.identity else mx.array(self._slot_of[routed]))
-        y = None
+        return self._in_groups(x, routed, groups)
+
+    def _in_groups(self, x: mx.array, routed: np.ndarray, groups: List[List[int]]) -> mx.array:
+        """A call whose experts do not all fit, one group at a time: each group computes only the routes to its
+        own experts (one route per row: the token's input and the expert's slot), evaluated before the next group
+        may evict them; the rows then go back in route order."""
+        store, layer = self._store, self.layer
+        k = routed.shape[-1]
+        experts_of = routed.reshape(-1)  # route r is token r // k's (r % k)-th expert
+        tokens = x.reshape(-1, x.shape[-1])
+        parts, order = [], []
         for group in groups:
-            slots = store.acquire(layer, group)
-            self._slot_of[:] = slots[0]  # routes outside the group compute something; masked out below
-            self._slot_of[group] = slots
-            y_group = self.pool_mlp(x, mx.array(self._slot_of[routed]))
-            in_group = mx.array(np.isin(routed, group))[..., None]
-            y = y_group if y is None else mx.where(in_group, y_group, y)
-            store.sync(y)
+            self._slot_of[group] = store.acquire(layer, group)
+            routes = np.flatnonzero(np.isin(experts_of, group))
+            part = self.pool_mlp(tokens[mx.array(routes // k)], mx.array(self._slot_of[experts_of[routes]])[:, None])
+            store.sync(part)
+            parts.append(part[:, 0])
+            order.append(routes)
         store.layer_done(layer)
-        return y
+        back = np.argsort(np.concatenate(order))  # each route sits in exactly one group
+        return mx.concatenate(parts)[mx.array(back)].reshape(*routed.shape, -1)
