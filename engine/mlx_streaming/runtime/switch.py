@@ -4,12 +4,12 @@ The mlx-lm MoE block keeps its own routing code (gate, softmax or sigmoid, top-k
 shared expert); only its ``SwitchGLU`` / ``SwitchMLP`` is replaced, on the built model instance (by the
 adapter). The replacement acquires the routed experts from the store and runs mlx-lm's own switch module
 (the original, its expert arrays swapped for the pool's) with expert ids remapped to slot ids, so the
-arithmetic is the in-memory model's. A call that routes to more distinct experts than fit (a long prefill with a small pool) runs in
-expert groups that fit, each computing only its own routes and evaluated before the next may evict its experts. While the store defers its
-miss check (a forward expected to find every routed expert resident), the switch reads slots from the
-store's device-side table instead, with no host sync; the store checks the routes once the forward is done.
-On a complete pool (every expert preloaded) no call can miss: none syncs, and the store counts the routes in
-bulk (``MissGuard``).
+arithmetic is the in-memory model's. A call that routes to more distinct experts than fit (a long prefill with a
+small pool) runs in expert groups that fit, each computing only its own routes and evaluated before the next may
+evict its experts. While the store defers its miss check (a forward expected to find every routed expert
+resident), the switch reads slots from the store's device-side table instead, with no host sync; the store checks
+the routes once the forward is done. On a complete pool (every expert preloaded) no call can miss: none syncs,
+and the store counts the routes in bulk (``MissGuard``).
 """
 
 from __future__ import annotations
