@@ -39,15 +39,15 @@ def test_minimum_pool_greedy_ids_match(model_dir, streaming_model, pool_config, 
             assert stats["verify_calls"] == stats["misses"]
 
 
-#: Prompt tokens of the one-chunk prefill below: already past the union of experts that a pool of top_k + 2
-#: slots holds in every MoE layer (each layer routes them to 14 to 30 distinct experts).
+#: Prompt tokens of the one-chunk prefills below (the first of ``LONG_PROMPT_TEXT``'s): already past the union of
+#: experts that a pool of top_k + 2 slots holds in every MoE layer (each layer routes them to 14 to 30 distinct
+#: experts).
 LONG_PROMPT_TOKENS = 64
+LONG_PROMPT_TEXT = "def f(x):\n    return x * 2 + 1\n" * 40
 
 
 def test_long_prompt_with_pool_below_one_layers_union_runs_in_groups(model_dir, reference_model, streaming_model):
-    tokenizer = streaming_model.tokenizer
-    text = "def f(x):\n    return x * 2 + 1\n" * 40
-    ids = tokenizer.encode(text)[:LONG_PROMPT_TOKENS]
+    ids = streaming_model.tokenizer.encode(LONG_PROMPT_TEXT)[:LONG_PROMPT_TOKENS]
     assert len(ids) == LONG_PROMPT_TOKENS
     top_k = reference_model.args.num_experts_per_tok
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=top_k + 2)) as sm:
@@ -67,7 +67,7 @@ def test_a_call_in_groups_computes_each_route_once(model_dir, reference_model, s
     (not once per group)."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    ids = streaming_model.tokenizer.encode("def f(x):\n    return x * 2 + 1\n" * 40)[:LONG_PROMPT_TOKENS]
+    ids = streaming_model.tokenizer.encode(LONG_PROMPT_TEXT)[:LONG_PROMPT_TOKENS]
     top_k = reference_model.args.num_experts_per_tok
     rows = []
     call = SwitchGLU.__call__
