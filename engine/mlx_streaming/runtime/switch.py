@@ -6,9 +6,11 @@ adapter). The replacement acquires the routed experts from the store and runs ml
 (the original, its expert arrays swapped for the pool's) with expert ids remapped to slot ids, so the
 arithmetic is the in-memory model's. A call that routes to more distinct experts than fit (a long prefill with a
 small pool) runs in expert groups that fit, each computing only its own routes and evaluated before the next may
-evict its experts. While the store defers its miss check (a forward expected to find every routed expert
-resident), the switch reads slots from the store's device-side table instead, with no host sync; the store checks
-the routes once the forward is done. On a complete pool (every expert preloaded) no call can miss: none syncs,
+evict its experts. A call checked there, layer by layer, queues its output on the device at once
+(``mx.async_eval``): the device computes the layer while the host builds the graph up to the next wait. While the
+store defers its miss check (a forward expected to find every routed expert resident), the switch reads slots
+from the store's device-side table instead, with no host sync; the store checks the routes once the forward is
+done. On a complete pool (every expert preloaded) no call can miss: none syncs,
 and the store counts the routes in bulk (``MissGuard``).
 """
 
@@ -38,6 +40,13 @@ class StreamingSwitch(nn.Module):
             return self.pool_mlp(x, guard.defer(layer, indices))
         if guard.count_call_later(layer, indices):  # a complete pool: nothing to load, nothing to check
             return self.pool_mlp(x, indices)
+        out = self._layer_by_layer(x, indices)
+        mx.async_eval(out)  # the device computes this layer while the host builds the graph up to the next wait
+        return out
+
+    def _layer_by_layer(self, x: mx.array, indices: mx.array) -> mx.array:
+        """The call checked here: its routes brought to the host (one wait), its missing experts loaded."""
+        store, guard, layer = self._store, self._store.guard, self.layer
         if layer in guard.loaded:  # loaded and accounted before this forward ran again: resident, no sync
             return self.pool_mlp(x, store.pool.device_slots(layer, indices))
         routed = store.to_host(indices)
