@@ -3,11 +3,11 @@ read in one batch, all before any slot changes hands (a failed read leaves the p
 checked by the byte verifier where there is one.
 
 Placement does not wait for the device: host writes land at once (``ExpertPool.writes``), array writes are
-evaluated with the layer that computes over them, at the forward's next wait. Both are safe because no computation
-still pending reads the slots written: a layer call that loads has just waited for its routes, which depend on
-everything queued before it (earlier forwards included); a call split in groups waits for each group's output
-before the next group may evict; and a deferred forward whose check found a miss is loaded for only after it, and
-every forward queued behind it, has been evaluated (``MissGuard``)."""
+evaluated with the layer that computes over them (queued as soon as that layer is built). Both are safe because
+no computation still pending reads the slots written: a layer call that loads has just waited for its routes, which
+depend on everything queued before it (earlier forwards included); a call split in groups waits for each group's
+output before the next group may evict; and a deferred forward whose check found a miss is loaded for only after
+it, and every forward queued behind it, has been evaluated (``MissGuard``)."""
 
 from __future__ import annotations
 

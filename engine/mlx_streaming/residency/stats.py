@@ -22,7 +22,7 @@ FIELDS = {
     "pool_writes": "writes into the pool's arrays: a host copy or slot write of one placed expert's tensor, or one "
                    "scatter of a tensor of all the experts one load places",
     "place_s": "seconds placing bytes into the pool (host writes, or host arrays and queued array writes, which run "
-               "at the forward's next wait)",
+               "with the layer that computes over them)",
     "fastpath": "MoE layer calls whose routed experts were all resident",
     "fallback": "MoE layer calls with at least one routed expert not resident",
     "grouped": "MoE layer calls that routed to more experts than fit and ran in groups",
