@@ -163,6 +163,28 @@ def test_prefetching_decodes_the_same_ids_and_every_prefetched_expert_is_verifie
     assert 0 < decode["recall"] <= 1 and diag["predict_s"] > 0 and decode["avg_window_ms"] > 0
 
 
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_prediction_of_the_next_layer_has_no_wait_of_its_own(model_dir, reference_model, prompt_ids, ahead):
+    """Layer by layer each MoE layer call waits once, for its routes; a prediction of the next layer's experts comes
+    to the host with them, while one of the layer's own experts (ahead 0) is needed sooner and waits for itself."""
+    config = StreamingConfig(pool_slots=64, prefetch=True, prefetch_ahead=ahead, miss_check="layer")
+    with build_streaming_model(model_dir, config) as sm:
+        predictions = []
+        predict = sm.store.predictor.predict
+
+        def counted(*args):
+            prediction = predict(*args)
+            predictions.extend([prediction] if prediction is not None else [])
+            return prediction
+
+        sm.store.predictor.predict = counted
+        ids = greedy_generate(sm.model, prompt_ids[2], 16)
+        stats = sm.store.stats()
+    assert ids == greedy_generate(reference_model, prompt_ids[2], 16)
+    assert stats["grouped"] == 0 and len(predictions) > 0 and stats["prefetch_hits"] > 0
+    assert stats["host_syncs"] == stats["fastpath"] + stats["fallback"] + (len(predictions) if ahead == 0 else 0)
+
+
 def test_budgets_cap_what_is_submitted(model_dir, prompt_ids):
     config = StreamingConfig(pool_slots=4, prefetch=True, prefetch_ahead=0, prefetch_mult=2, prefetch_forward_budget=3)
     with build_streaming_model(model_dir, config) as sm:

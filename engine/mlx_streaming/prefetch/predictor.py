@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+import mlx.core as mx
 import numpy as np
 
 from ..runtime.sites import ExpertSite, predict_experts
@@ -72,24 +73,29 @@ class ExpertPredictor:
         self._forward_submitted = 0
         self._decode = tokens == 1
 
-    def predict(self, layer: int, x, to_host) -> Optional[Tuple[int, List[int]]]:
-        """(target MoE layer, its likely experts, most tokens first) from decoder layer ``layer``'s input;
-        ``to_host`` brings the prediction to the host (the store counts that sync)."""
+    def predict(self, layer: int, x) -> Optional[Tuple[int, mx.array]]:
+        """(target MoE layer, each token's likely experts there: a lazy array) from decoder layer ``layer``'s
+        input, or None; ``rank`` takes them once on the host."""
         target = self.targets.get(layer)
         if target is None:
             return None
         t0 = time.perf_counter()
         top = predict_experts(self.sites[target], x, self.k)
-        if top is None:
-            return None
-        counts = np.bincount(to_host(top).reshape(-1), minlength=self.num_experts)[: self.num_experts]
+        if self.diagnostics is not None:
+            self.diagnostics.predict_s += time.perf_counter() - t0
+        return None if top is None else (target, top)
+
+    def rank(self, target: int, top: np.ndarray) -> List[int]:
+        """``target``'s predicted experts (``predict``'s array, on the host), most tokens first."""
+        t0 = time.perf_counter()
+        counts = np.bincount(top.reshape(-1), minlength=self.num_experts)[: self.num_experts]
         ranked = [int(e) for e in np.argsort(-counts, kind="stable") if counts[e] > 0]
         if self.layer_budget:
             ranked = ranked[: self.layer_budget]
         if self.diagnostics is not None:
             self.diagnostics.predict_s += time.perf_counter() - t0
         self._predicted[target] = (set(ranked), set(), None)
-        return target, ranked
+        return ranked
 
     def within_budget(self, missing: Sequence[int]) -> List[int]:
         """The part of ``missing`` the per-forward budget still allows."""

@@ -9,7 +9,7 @@ placed by ``loader.ExpertLoader``.
 from __future__ import annotations
 
 import time
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -55,6 +55,9 @@ class ExpertStore:
         #: When a list, every MoE layer call appends (layer, tokens in the call, its distinct experts, ascending):
         #: the routing trace (``residency.trace``) and the union-of-experts profile. Off (None) unless asked for.
         self.route_log = None
+        #: Called after each of the store's waits for the device (the prefetch hooks submit the predictions
+        #: queued before it, evaluated by then).
+        self.wait_hooks: List[Callable[[], None]] = []
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -89,16 +92,20 @@ class ExpertStore:
         """``array`` on the host: one counted, timed wait for the device."""
         start = time.perf_counter()
         host = np.array(array)
-        self.counters.host_syncs += 1
-        self.counters.sync_s += time.perf_counter() - start
+        self._waited(start)
         return host
 
     def sync(self, arrays) -> None:
         """``mx.eval(arrays)``: one counted, timed wait for the device."""
         start = time.perf_counter()
         mx.eval(arrays)
+        self._waited(start)
+
+    def _waited(self, start: float) -> None:
         self.counters.host_syncs += 1
         self.counters.sync_s += time.perf_counter() - start
+        for hook in self.wait_hooks:
+            hook()
 
     def route(self, layer: int, routed: np.ndarray, experts: Optional[List[int]] = None) -> List[int]:
         """Account one MoE layer call's routing (``routed``: expert ids per token); its distinct experts
