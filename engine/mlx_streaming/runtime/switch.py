@@ -10,8 +10,8 @@ evict its experts. A call checked there, layer by layer, queues its output on th
 (``mx.async_eval``): the device computes the layer while the host builds the graph up to the next wait. While the
 store defers its miss check (a forward expected to find every routed expert resident), the switch reads slots
 from the store's device-side table instead, with no host sync; the store checks the routes once the forward is
-done. On a complete pool (every expert preloaded) no call can miss: none syncs,
-and the store counts the routes in bulk (``MissGuard``).
+done. On a complete pool (every expert preloaded) no call can miss: none syncs, and the store counts the routes in
+bulk (``MissGuard``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class StreamingSwitch(nn.Module):
         self._slot_of = np.zeros(store.index.num_experts, dtype=np.int32)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        store, guard, layer = self._store, self._store.guard, self.layer
+        guard, layer = self._store.guard, self.layer
         if guard.deferring:  # no sync here: slots come from the device-side table, misses are checked per forward
             return self.pool_mlp(x, guard.defer(layer, indices))
         if guard.count_call_later(layer, indices):  # a complete pool: nothing to load, nothing to check
