@@ -87,6 +87,10 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     best = report["ceiling"]["best"]["threads"]
     assert report["read_threads"] == 3 and f"--read-threads 3): " in io_table(report)
     assert f"try --read-threads {best})" in io_table(report)
+    # nine reads per expert in this layout: the table points to the packed one, and says nothing of it once packed
+    assert "Each expert took 9 reads in this layout; the packed layout reads it in one: mlx-streaming repack" in io_table(report)
+    packed = {**report, "ceiling": {**report["ceiling"], "best": {**report["ceiling"]["best"], "reads_per_expert": 1.0}}}
+    assert "repack" not in io_table(packed)
 
 
 def test_placement_against_a_copy_that_reaches_a_device_with_memory_of_its_own(model_dir, monkeypatch):

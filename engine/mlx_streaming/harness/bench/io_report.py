@@ -137,7 +137,7 @@ def io_table(report: dict) -> str:
               f"{report['max_tokens']} tokens x {report['repeat']}, --read-threads {report['read_threads']}): "
               f"{report['demand_read_gbps']:.3f} GB/s = "
               f"{report['demand_over_ceiling']:.2f} of the ceiling, {1000 * report['read_s_per_token']:.2f} ms reading "
-              f"per token{_depth_advice(report)}. {_placement_line(report['placement'])}")
+              f"per token{_depth_advice(report)}.{_layout_advice(report)} {_placement_line(report['placement'])}")
 
 
 def _placement_line(p: dict) -> str:
@@ -151,3 +151,13 @@ def _depth_advice(report: dict) -> str:
     """Where the disk's best cell ran another number of reads in flight than the engine: the option that matches it."""
     best = report["ceiling"]["best"]["threads"]
     return f" (the disk's best cell ran {best} threads: try --read-threads {best})" if best != report["read_threads"] else ""
+
+
+def _layout_advice(report: dict) -> str:
+    """Where each expert took several reads (one per tensor: the layout mlx_lm.convert writes), the packed
+    layout, which reads each in one."""
+    reads = report["ceiling"]["best"]["reads_per_expert"]
+    if reads <= 1:
+        return ""
+    return (f" Each expert took {reads:g} reads in this layout; the packed layout reads it in one: "
+            f"mlx-streaming repack --out DIR (with this --model), then --packed DIR.")
