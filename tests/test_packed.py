@@ -88,7 +88,8 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     assert report["read_threads"] == 3 and f"--read-threads 3): " in io_table(report)
     assert f"try --read-threads {best})" in io_table(report)
     # nine reads per expert in this layout: the table points to the packed one, and says nothing of it once packed
-    assert "Each expert took 9 reads in this layout; the packed layout reads it in one: mlx-streaming repack" in io_table(report)
+    assert (f"Each expert took 9 reads in this layout; the packed layout reads it in one: mlx-streaming repack "
+            f"--model {model_dir} --out DIR, then --packed DIR.") in io_table(report)
     packed = {**report, "ceiling": {**report["ceiling"], "best": {**report["ceiling"]["best"], "reads_per_expert": 1.0}}}
     assert "repack" not in io_table(packed)
 

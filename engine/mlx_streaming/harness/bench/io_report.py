@@ -160,4 +160,4 @@ def _layout_advice(report: dict) -> str:
     if reads <= 1:
         return ""
     return (f" Each expert took {reads:g} reads in this layout; the packed layout reads it in one: "
-            f"mlx-streaming repack --out DIR (with this --model), then --packed DIR.")
+            f"mlx-streaming repack --model {report['model']} --out DIR, then --packed DIR.")
