@@ -174,7 +174,8 @@ def test_a_prediction_of_the_next_layer_has_no_wait_of_its_own(model_dir, refere
 
         def counted(*args):
             prediction = predict(*args)
-            predictions.extend([prediction] if prediction is not None else [])
+            if prediction is not None:
+                predictions.append(prediction)
             return prediction
 
         sm.store.predictor.predict = counted
