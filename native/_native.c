@@ -3,6 +3,8 @@
  *
  * Why native: reads issued from Python threads contend for the GIL with the MLX-driving main thread; here a
  * whole batch of reads is handed to a persistent pthread pool and the caller waits with the GIL released.
+ * A batch can also be started and its reads taken in order as they finish (read_start), so the caller places
+ * the first experts of a load while the pool still reads the rest.
  * Every entry point has a pure-Python twin in mlx_streaming/io/native.py; MLX_STREAMING_NATIVE=0 selects
  * the twins. Builds with gcc (Linux) and clang (macOS); POSIX only.
  */
@@ -15,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define ALIGN 4096
@@ -60,7 +63,14 @@ typedef struct {
     unsigned char *dest;
     int64_t got;       /* bytes of [offset, offset + length) delivered */
     int err;           /* errno, 0 if none */
+    int finished;      /* set by the worker that ran it, under pool_lock */
 } request_t;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 /* pread until `want` bytes or end of file; returns bytes read or -1 with errno set. */
 static int64_t pread_full(int fd, unsigned char *buf, int64_t want, int64_t offset) {
@@ -108,6 +118,8 @@ static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_s
 typedef struct batch {
     request_t *reqs;
     Py_ssize_t n, next, done;
+    Py_ssize_t ready;  /* requests [0, ready) are finished: advanced by the waiter */
+    int64_t started_ns, finished_ns;
     pthread_cond_t finished;
     struct batch *link;
 } batch_t;
@@ -135,7 +147,9 @@ static void *worker_main(void *unused) {
         pthread_mutex_unlock(&pool_lock);
         run_request(&b->reqs[i], &bounce, &bounce_size);
         pthread_mutex_lock(&pool_lock);
-        if (++b->done == b->n) pthread_cond_signal(&b->finished);
+        b->reqs[i].finished = 1;
+        if (++b->done == b->n) b->finished_ns = now_ns();
+        pthread_cond_broadcast(&b->finished); /* a waiter may want this one alone */
     }
     pthread_mutex_unlock(&pool_lock);
     free(bounce);
@@ -153,85 +167,195 @@ static int ensure_workers(int wanted) {
     return 0;
 }
 
-/* Run every request on the pool; blocks until all are done. Called without the GIL. */
-static int run_batch(request_t *reqs, Py_ssize_t n, int threads) {
-    batch_t b = {reqs, n, 0, 0, PTHREAD_COND_INITIALIZER, NULL};
+/* Queue every request of `b` (n > 0) on the pool; returns 0 or an errno. Called without the GIL. */
+static int submit_batch(batch_t *b, int threads) {
     pthread_mutex_lock(&pool_lock);
     int rc = stopping ? ESHUTDOWN : ensure_workers(threads);
-    if (rc) {
-        pthread_mutex_unlock(&pool_lock);
-        return rc;
+    if (!rc) {
+        b->started_ns = now_ns();
+        if (queue_tail) queue_tail->link = b; else queue_head = b;
+        queue_tail = b;
+        pthread_cond_broadcast(&pool_wake);
     }
-    if (queue_tail) queue_tail->link = &b; else queue_head = &b;
-    queue_tail = &b;
-    pthread_cond_broadcast(&pool_wake);
-    while (b.done < b.n) pthread_cond_wait(&b.finished, &pool_lock);
     pthread_mutex_unlock(&pool_lock);
-    pthread_cond_destroy(&b.finished);
-    return 0;
+    return rc;
+}
+
+/* Block until requests [0, upto) of a submitted batch are finished. Called without the GIL. */
+static void wait_batch(batch_t *b, Py_ssize_t upto) {
+    pthread_mutex_lock(&pool_lock);
+    for (;;) {
+        while (b->ready < upto && b->reqs[b->ready].finished) b->ready++;
+        if (b->ready >= upto) break;
+        pthread_cond_wait(&b->finished, &pool_lock);
+    }
+    pthread_mutex_unlock(&pool_lock);
+}
+
+static void init_batch(batch_t *b, request_t *reqs, Py_ssize_t n) {
+    memset(b, 0, sizeof(*b));
+    b->reqs = reqs;
+    b->n = n;
+    pthread_cond_init(&b->finished, NULL);
 }
 
 /* ------------------------------------------------------------------ Python entry points */
 
-PyDoc_STRVAR(read_batch_doc,
-"read_batch(requests, threads) -> None or (index, errno, got)\n\n"
-"requests: a sequence of (fd, offset, length, writable buffer, aligned). Reads run on the native pool\n"
-"with the GIL released. Returns None when every read delivered its length; otherwise the first failing\n"
-"request's index, its errno (0 for a short read) and the bytes it delivered.");
+/* Parse (fd, offset, length, writable buffer, aligned) items into requests whose destinations are the buffers'
+ * memory, held in views[0, *held). Returns 0, or -1 with a Python error set. */
+static int parse_requests(PyObject *items, request_t *reqs, Py_buffer *views, Py_ssize_t *held) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    for (; *held < n; (*held)++) {
+        Py_ssize_t i = *held;
+        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+        request_t *rq = &reqs[i];
+        long long offset, length;
+        PyObject *buffer;
+        if (!PyArg_ParseTuple(item, "iLLOp", &rq->fd, &offset, &length, &buffer, &rq->aligned)) return -1;
+        if (PyObject_GetBuffer(buffer, &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+        if (length < 0 || offset < 0 || views[i].len < length) {
+            PyErr_Format(PyExc_ValueError, "request %zd: buffer of %zd bytes for a read of %lld", i, views[i].len,
+                         length);
+            PyBuffer_Release(&views[i]);
+            return -1;
+        }
+        rq->offset = offset;
+        rq->length = length;
+        rq->dest = views[i].buf;
+    }
+    return 0;
+}
 
-static PyObject *py_read_batch(PyObject *self, PyObject *args) {
+/* A started batch: its requests, the buffers they fill (held until every read has finished) and the batch. */
+typedef struct {
+    PyObject_HEAD
+    request_t *reqs;
+    Py_buffer *views;
+    Py_ssize_t n, held;
+    batch_t batch;
+    int submitted;
+} PendingObject;
+
+static void pending_dealloc(PendingObject *self) {
+    if (self->submitted) {
+        Py_BEGIN_ALLOW_THREADS
+        wait_batch(&self->batch, self->n); /* the pool may still write into the buffers */
+        Py_END_ALLOW_THREADS
+    }
+    pthread_cond_destroy(&self->batch.finished);
+    for (Py_ssize_t i = 0; i < self->held; i++) PyBuffer_Release(&self->views[i]);
+    free(self->views);
+    free(self->reqs);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(pending_wait_doc,
+"wait(upto) -> None or (index, errno, got)\n\n"
+"Block, with the GIL released, until requests [0, upto) have finished. Returns None when each of them\n"
+"delivered its length; otherwise the first failing one's index, errno (0 for a short read) and bytes.");
+
+static PyObject *pending_wait(PendingObject *self, PyObject *args) {
+    Py_ssize_t upto;
+    if (!PyArg_ParseTuple(args, "n", &upto)) return NULL;
+    if (upto < 0 || upto > self->n) {
+        PyErr_Format(PyExc_ValueError, "wait(%zd) on a batch of %zd reads", upto, self->n);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    wait_batch(&self->batch, upto);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < upto; i++) {
+        request_t *rq = &self->reqs[i];
+        if (rq->err || rq->got != rq->length) return Py_BuildValue("(niL)", i, rq->err, (long long)rq->got);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pending_finished_doc,
+"finished() -> int: how many requests, counted from the first, have finished (does not block).");
+
+static PyObject *pending_finished(PendingObject *self, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&pool_lock);
+    batch_t *b = &self->batch;
+    while (b->ready < b->n && b->reqs[b->ready].finished) b->ready++;
+    Py_ssize_t ready = b->ready;
+    pthread_mutex_unlock(&pool_lock);
+    return PyLong_FromSsize_t(ready);
+}
+
+static PyObject *pending_elapsed(PendingObject *self, void *closure) {
+    (void)closure;
+    pthread_mutex_lock(&pool_lock);
+    int64_t started = self->batch.started_ns, finished = self->batch.finished_ns;
+    int done = self->batch.done == self->n;
+    pthread_mutex_unlock(&pool_lock);
+    if (!done) Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->n ? (double)(finished - started) / 1e9 : 0.0);
+}
+
+static PyMethodDef pending_methods[] = {
+    {"wait", (PyCFunction)pending_wait, METH_VARARGS, pending_wait_doc},
+    {"finished", (PyCFunction)pending_finished, METH_NOARGS, pending_finished_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef pending_getset[] = {
+    {"elapsed", (getter)pending_elapsed, NULL,
+     "Seconds from the batch's start until its last read finished; None while reads are running.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PendingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mlx_streaming._native.PendingReads",
+    .tp_basicsize = sizeof(PendingObject),
+    .tp_dealloc = (destructor)pending_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A batch of reads running on the native pool (read_start).",
+    .tp_methods = pending_methods,
+    .tp_getset = pending_getset,
+};
+
+PyDoc_STRVAR(read_start_doc,
+"read_start(requests, threads) -> PendingReads\n\n"
+"requests: a sequence of (fd, offset, length, writable buffer, aligned). Queues every read on the native\n"
+"pool (at least `threads` threads) and returns at once; the result's wait(upto) blocks until the first\n"
+"`upto` have finished. The buffers are held until every read has finished.");
+
+static PyObject *py_read_start(PyObject *self, PyObject *args) {
     PyObject *seq;
     int threads;
     (void)self;
     if (!PyArg_ParseTuple(args, "Oi", &seq, &threads)) return NULL;
     PyObject *items = PySequence_Fast(seq, "requests must be a sequence");
     if (!items) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
-    request_t *reqs = calloc(n ? n : 1, sizeof(request_t));
-    Py_buffer *views = calloc(n ? n : 1, sizeof(Py_buffer));
-    Py_ssize_t held = 0;
-    PyObject *result = NULL;
-    if (!reqs || !views) { PyErr_NoMemory(); goto done; }
-    for (; held < n; held++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, held);
-        request_t *rq = &reqs[held];
-        long long offset, length;
-        PyObject *buffer;
-        if (!PyArg_ParseTuple(item, "iLLOp", &rq->fd, &offset, &length, &buffer, &rq->aligned)) goto done;
-        if (PyObject_GetBuffer(buffer, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
-        if (length < 0 || offset < 0 || views[held].len < length) {
-            PyBuffer_Release(&views[held]);
-            PyErr_Format(PyExc_ValueError, "request %zd: buffer of %zd bytes for a read of %lld", held,
-                         views[held].len, length);
-            goto done;
-        }
-        rq->offset = offset;
-        rq->length = length;
-        rq->dest = views[held].buf;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = n ? run_batch(reqs, n, threads < 1 ? 1 : threads) : 0;
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        errno = rc;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    result = Py_None;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (reqs[i].err || reqs[i].got != reqs[i].length) {
-            result = Py_BuildValue("(niL)", i, reqs[i].err, (long long)reqs[i].got);
-            break;
-        }
-    }
-    if (result == Py_None) Py_INCREF(result);
-done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    free(views);
-    free(reqs);
+    PendingObject *p = PyObject_New(PendingObject, &PendingType);
+    if (!p) { Py_DECREF(items); return NULL; }
+    p->n = PySequence_Fast_GET_SIZE(items);
+    p->held = 0;
+    p->submitted = 0;
+    p->reqs = calloc(p->n ? p->n : 1, sizeof(request_t));
+    p->views = calloc(p->n ? p->n : 1, sizeof(Py_buffer));
+    init_batch(&p->batch, p->reqs, p->n);
+    if (!p->reqs || !p->views) PyErr_NoMemory();
+    int ok = p->reqs && p->views && parse_requests(items, p->reqs, p->views, &p->held) == 0;
     Py_DECREF(items);
-    return result;
+    if (!ok) { Py_DECREF(p); return NULL; }
+    if (p->n) {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = submit_batch(&p->batch, threads < 1 ? 1 : threads);
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            errno = rc;
+            PyErr_SetFromErrno(PyExc_OSError);
+            Py_DECREF(p);
+            return NULL;
+        }
+        p->submitted = 1;
+    }
+    return (PyObject *)p;
 }
 
 PyDoc_STRVAR(crc32c_doc, "crc32c(buffer, crc=0) -> int: CRC32C (Castagnoli) of buffer, continuing from crc.");
@@ -308,7 +432,7 @@ static PyObject *py_pool_threads(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"read_batch", py_read_batch, METH_VARARGS, read_batch_doc},
+    {"read_start", py_read_start, METH_VARARGS, read_start_doc},
     {"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
     {"open_uncached", py_open_uncached, METH_VARARGS, open_uncached_doc},
     {"shutdown", py_shutdown, METH_NOARGS, "Stop and join the read pool's threads (interpreter exit)."},
@@ -321,6 +445,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "Native ex
 
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
+    if (PyType_Ready(&PendingType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m) PyModule_AddIntConstant(m, "ALIGN", ALIGN);
     return m;

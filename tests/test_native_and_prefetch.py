@@ -43,9 +43,11 @@ def test_native_and_twin_read_the_disks_bytes(model_dir, aligned):
     fds = {path: (native.open_uncached(path) if aligned else os.open(path, os.O_RDONLY)) for path, _, _ in ranges}
     try:
         results = []
-        for read_batch in (native._native.read_batch, native.py_read_batch) if native.NATIVE else (native.py_read_batch,):
+        for read_start in (native._native.read_start, native.py_read_start) if native.NATIVE else (native.py_read_start,):
             buffers = [np.empty(n, dtype=np.uint8) for _, _, n in ranges]
-            assert read_batch([(fds[p], o, n, b, aligned) for (p, o, n), b in zip(ranges, buffers)], 4) is None
+            pending = read_start([(fds[p], o, n, b, aligned) for (p, o, n), b in zip(ranges, buffers)], 4)
+            assert pending.wait(len(ranges)) is None
+            assert pending.finished() == len(ranges) and pending.elapsed > 0
             results.append(buffers)
         for (path, offset, n), *copies in zip(ranges, *results):
             with open(path, "rb") as f:
@@ -62,17 +64,19 @@ def test_reads_past_the_end_and_bad_descriptors_are_reported(tmp_path, impl):
     if impl == "native" and not native.NATIVE:
         assert TWIN_FORCED
         return
-    read_batch = native._native.read_batch if impl == "native" else native.py_read_batch
+    read_start = native._native.read_start if impl == "native" else native.py_read_start
     path = tmp_path / "f"
     path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
     fd = os.open(path, os.O_RDONLY)
     try:
         ok, short = np.empty(100, np.uint8), np.empty(1000, np.uint8)
-        assert read_batch([(fd, 0, 100, ok, False), (fd, 9740, 1000, short, False)], 2) == (1, 0, 500)
+        pending = read_start([(fd, 0, 100, ok, False), (fd, 9740, 1000, short, False)], 2)
+        assert pending.wait(1) is None  # the first read alone delivered its length
+        assert pending.wait(2) == (1, 0, 500)
         assert ok.tobytes() == (bytes(range(256)) * 40)[:100]
     finally:
         os.close(fd)
-    index, err, _ = read_batch([(fd, 0, 10, np.empty(10, np.uint8), False)], 1)
+    index, err, _ = read_start([(fd, 0, 10, np.empty(10, np.uint8), False)], 1).wait(1)
     assert (index, err) == (0, errno.EBADF)
 
 
@@ -89,7 +93,7 @@ def test_crc32c_native_and_twin_agree():
 
 
 def test_env_forces_the_twins():
-    code = "from mlx_streaming.io import native; print(native.NATIVE, native.read_batch is native.py_read_batch)"
+    code = "from mlx_streaming.io import native; print(native.NATIVE, native.read_start is native.py_read_start)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_STREAMING_NATIVE": "0"},
                          capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
@@ -99,7 +103,7 @@ def test_the_reader_gives_identical_bytes_with_native_and_twin(model_dir, monkey
     ranges = _ranges(model_dir)
     reader = ExpertReader("direct")
     first = [a.tobytes() for a in reader.read(ranges)]
-    monkeypatch.setattr(native, "read_batch", native.py_read_batch)
+    monkeypatch.setattr(native, "read_start", native.py_read_start)
     assert [a.tobytes() for a in reader.read(ranges)] == first
     reader.close()
 
@@ -239,8 +243,8 @@ def test_prefetch_settings_are_checked():
 def test_demand_reads_run_with_the_read_threads_configured(model_dir, prompt_ids, monkeypatch):
     """``read_threads`` (``--read-threads``) is the depth every demand read call runs at."""
     depths = []
-    real = native.read_batch
-    monkeypatch.setattr(native, "read_batch", lambda requests, threads: depths.append(threads) or real(requests, threads))
+    real = native.read_start
+    monkeypatch.setattr(native, "read_start", lambda requests, threads: depths.append(threads) or real(requests, threads))
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=8, read_threads=3)) as sm:
         greedy_generate(sm.model, prompt_ids[0], 4)
         assert sm.store.stats()["misses"] > 0

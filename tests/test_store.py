@@ -11,6 +11,7 @@ from mlx_streaming.errors import PoolTooSmallError
 from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.io.reader import ExpertReader
 from mlx_streaming.model import build_streaming_model
+from mlx_streaming.residency import loader
 from mlx_streaming.residency.pool import WRITES
 
 
@@ -140,6 +141,58 @@ def test_every_way_of_writing_a_load_leaves_the_same_pool(model_dir, prompt_ids)
     for writes in ("scatter", "slots"):
         assert (pools["host"][0] == pools[writes][0]).all()
         assert all((pools["host"][1][n] == pools[writes][1][n]).all() for n in pools["host"][1])
+
+
+class _Reported:
+    """A started batch whose reads have all run, reporting ``arrived`` of them finished whenever asked (as a batch
+    still being read would), and recording each wait's ``upto``."""
+
+    def __init__(self, pending, arrived: int, waits: list):
+        self.pending, self.arrived, self.waits = pending, arrived, waits
+        self.elapsed = pending.elapsed
+
+    def finished(self):
+        return self.arrived
+
+    def wait(self, upto):
+        self.waits.append(upto)
+        return self.pending.wait(upto)
+
+
+@pytest.mark.parametrize("writes,batch,arrived,batches", [
+    ("host", 1, "none", [[0], [1], [2], [3]]),  # nothing arrived when asked: each expert once its own bytes are in
+    ("host", 1, "all", [[0, 1, 2, 3]]),  # everything arrived: one placement
+    ("host", 2, "none", [[0, 1], [2, 3]]),  # at least two experts' bytes per placement
+    ("host", None, "none", [[0, 1, 2, 3]]),  # the tiny model's experts are far below the batch bytes: one placement
+    ("slots", 1, "none", [[0], [1], [2], [3]]),
+    ("scatter", 1, "none", [[0, 1, 2, 3]]),  # one scatter per tensor for the whole load: every byte first
+])
+def test_a_load_places_the_experts_that_have_arrived_while_the_rest_are_read(model_dir, monkeypatch, writes, batch,
+                                                                              arrived, batches):
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=8, verify=True)) as sm:
+        store, layer = sm.store, sm.store.index.layers[0]
+        store.pool.use_writes(writes)
+        if batch is not None:  # placements of ``batch`` experts' bytes at least
+            monkeypatch.setattr(loader, "PLACE_BATCH_BYTES", batch * store.index.expert_bytes)
+        waits, placed = [], []
+        real_start, real_place = store.reader._read_start, store.pool.place
+
+        def start(requests):
+            pending = real_start(requests)
+            assert pending.wait(len(requests)) is None
+            return _Reported(pending, len(requests) if arrived == "all" else 0, waits)
+
+        def place(layer, experts, staged, protected):
+            placed.append(list(experts))
+            return real_place(layer, experts, staged, protected)
+
+        store.reader._read_start, store.pool.place = start, place
+        store.acquire(layer, [0, 1, 2, 3])
+        stats = store.stats()
+        assert placed == batches
+        assert len(waits) == len(batches) and waits == sorted(set(waits))  # each wait for reads further on
+        assert stats["misses"] == stats["verify_ok"] == 4 and stats["verify_bad"] == 0  # each slot holds its bytes
+        assert all(store.pool.book.slot(layer, e) is not None for e in range(4))
 
 
 def test_host_writes_reach_the_arrays_the_model_computes_with(model_dir):

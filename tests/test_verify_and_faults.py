@@ -54,14 +54,30 @@ class FaultyReader(ExpertReader):
         super().__init__("buffered")
         self.fault, self.fail_at, self.calls = fault, fail_at, 0
 
-    def _read_batch(self, requests):
-        failure = super()._read_batch(requests)
+    def _read_start(self, requests):
+        pending = super()._read_start(requests)
         first = self.calls + 1
         self.calls += len(requests)
-        if failure is None and first <= self.fail_at <= self.calls:
+        if first <= self.fail_at <= self.calls:
             i = self.fail_at - first
-            return (i, errno.EIO, 0) if self.fault == "eio" else (i, 0, requests[i][2] // 2)
-        return failure
+            return _FailingRead(pending, (i, errno.EIO, 0) if self.fault == "eio" else (i, 0, requests[i][2] // 2))
+        return pending
+
+
+class _FailingRead:
+    """A started batch whose read ``failure[0]`` is reported failed (``failure``), as the native layer would."""
+
+    def __init__(self, pending, failure):
+        self.pending, self.failure = pending, failure
+        self.finished = pending.finished
+
+    @property
+    def elapsed(self):
+        return self.pending.elapsed
+
+    def wait(self, upto):
+        failure = self.pending.wait(upto)
+        return self.failure if failure is None and self.failure[0] < upto else failure
 
 
 @pytest.mark.parametrize("fault,message", [("eio", "failed \\(Input/output error\\)"), ("short", "short read")])

@@ -22,8 +22,9 @@ def counters_line(stats: dict, covers: str) -> str:
 def diagnostics_report(store) -> str:
     """Main-thread read and place time, and with prefetch on the predictor's recall and miss attribution."""
     s = store.stats()
-    lines = [f"diagnostics: demand reads {s['read_s'] * 1000:.1f} ms for {format_size(s['demand_bytes'])}, "
-             f"placing experts into the pool {s['place_s'] * 1000:.1f} ms"]
+    lines = [f"diagnostics: demand reads {s['read_s'] * 1000:.1f} ms for {format_size(s['demand_bytes'])} "
+             f"({s['read_wait_s'] * 1000:.1f} ms of it waited for), placing experts into the pool "
+             f"{s['place_s'] * 1000:.1f} ms"]
     if store.predictor is None or store.predictor.diagnostics is None:
         lines.append("diagnostics: no predictor (prefetch is off): nothing to attribute")
         return "\n".join(lines)

@@ -1,7 +1,8 @@
 """The native extension's entry points, or their pure-Python twins.
 
 ``mlx_streaming._native`` (sources in ``native/``) runs a batch of reads on its own pthread pool with the
-GIL released, opens files past the page cache and computes CRC32C. Each function here has a twin written
+GIL released (``read_start`` queues them and returns; the caller takes them in order as they finish), opens
+files past the page cache and computes CRC32C. Each function here has a twin written
 in Python with the same contract; ``MLX_STREAMING_NATIVE=0`` selects the twins, and so does a failed build
 (said once, as a warning, at import). Tests run both and compare bytes.
 """
@@ -12,6 +13,7 @@ import atexit
 import errno
 import os
 import sys
+import time
 import warnings
 from typing import Optional, Sequence, Tuple
 
@@ -92,7 +94,7 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def py_read_batch(requests: Sequence[ReadRequest], threads: int = 1) -> ReadFailure:
+def _read_in_order(requests: Sequence[ReadRequest]) -> ReadFailure:
     """One request after another on the calling thread (``os.preadv`` releases the GIL while it reads)."""
     import mmap
 
@@ -121,8 +123,30 @@ def py_read_batch(requests: Sequence[ReadRequest], threads: int = 1) -> ReadFail
             bounce.close()
 
 
+class PyPendingReads:
+    """The twin of the native ``PendingReads``: its reads ran, one by one, when it was made."""
+
+    def __init__(self, requests: Sequence[ReadRequest]):
+        start = time.perf_counter()
+        self._failure = _read_in_order(requests)
+        self.elapsed = time.perf_counter() - start  #: seconds from the start until the last read finished
+        self._n = len(requests)
+
+    def wait(self, upto: int) -> ReadFailure:
+        """None when requests [0, upto) each delivered their length, else the first failing one's failure."""
+        failure = self._failure
+        return failure if failure is not None and failure[0] < upto else None
+
+    def finished(self) -> int:
+        return self._n
+
+
+def py_read_start(requests: Sequence[ReadRequest], threads: int = 1) -> PyPendingReads:
+    return PyPendingReads(requests)
+
+
 # ---------------------------------------------------------------- the chosen implementation
 
 crc32c = _native.crc32c if NATIVE else py_crc32c
 open_uncached = _native.open_uncached if NATIVE else py_open_uncached
-read_batch = _native.read_batch if NATIVE else py_read_batch
+read_start = _native.read_start if NATIVE else py_read_start

@@ -4,8 +4,9 @@
 offset, the length and the buffer aligned, so each read covers the aligned superset of the range through a
 page-aligned bounce buffer; F_NOCACHE on macOS, which needs no alignment. A filesystem that refuses
 O_DIRECT (tmpfs, some network filesystems) falls back to buffered reads for that file with one warning;
-``effective_modes`` says what each file got. The reads of one call go to ``io.native.read_batch`` together:
-the native extension runs them on its own threads with the GIL released (or its Python twin, one by one).
+``effective_modes`` says what each file got. The reads of one call go to ``io.native.read_start`` together:
+the native extension runs them on its own threads with the GIL released (or its Python twin, one by one),
+and the caller takes their bytes in order as they arrive (``PendingRead``) or all at once (``read``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import os
 import sys
 import threading
+import time
 import warnings
 from typing import Dict, List, Sequence
 
@@ -68,14 +70,14 @@ class ExpertReader:
         """O_DIRECT (Linux) or F_NOCACHE (macOS) open; EINVAL means the filesystem refuses it."""
         return native.open_uncached(path)
 
-    def _read_batch(self, requests: Sequence[native.ReadRequest]) -> native.ReadFailure:
+    def _read_start(self, requests: Sequence[native.ReadRequest]):
         """The reads themselves, as a method so a test can inject faults beneath the error handling."""
-        return native.read_batch(requests, self.threads)
+        return native.read_start(requests, self.threads)
 
-    def read(self, ranges: Sequence[tuple]) -> List[np.ndarray]:
-        """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order. Consecutive ranges that
-        lie back to back in one file are fetched by one read (a packed expert is one read); all the reads of
-        one call are issued as one batch."""
+    def start(self, ranges: Sequence[tuple]) -> "PendingRead":
+        """Issue the reads of ``[(path, offset, nbytes), ...]`` as one batch and return at once; the result hands
+        each range's bytes over in order as they arrive. Consecutive ranges that lie back to back in one file are
+        fetched by one read (a packed expert is one read)."""
         spans = []  # (path, offset, nbytes, first range, end range)
         i = 0
         while i < len(ranges):
@@ -89,22 +91,13 @@ class ExpertReader:
         buffers = [np.empty(n, dtype=np.uint8) for _, _, n, _, _ in spans]
         requests = [(self._fd(path), offset, n, buf, self._aligned(path))
                     for (path, offset, n, _, _), buf in zip(spans, buffers)]
-        failure = self._read_batch(requests)
+        pending = self._read_start(requests)
         self.reads += len(requests)
-        if failure is not None:
-            k, err, got = failure
-            path, offset, n, first, _ = spans[k]
-            if err:
-                error = ExpertIOError(f"{path}: read of {n} bytes at offset {offset} failed ({os.strerror(err)})")
-            else:
-                error = ExpertIOError(f"{path}: short read, {got} of {n} bytes at offset {offset}")
-            error.range_index = first  # which of ``ranges`` failed (the caller knows whose bytes they are)
-            raise error
-        out: List[np.ndarray] = []
-        for (_, offset, _, first, end), data in zip(spans, buffers):
-            for _, start, n in ranges[first:end]:
-                out.append(data[start - offset:start - offset + n])
-        return out
+        return PendingRead(ranges, spans, buffers, pending)
+
+    def read(self, ranges: Sequence[tuple]) -> List[np.ndarray]:
+        """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order, once all have arrived."""
+        return self.start(ranges).take(len(ranges))
 
     def _aligned(self, path: str) -> bool:
         return self.effective_modes[path] == "direct" and sys.platform.startswith("linux")
@@ -113,3 +106,50 @@ class ExpertReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+class PendingRead:
+    """One batch of reads in flight (``ExpertReader.start``): ``take`` hands its ranges' bytes over in order."""
+
+    def __init__(self, ranges: Sequence[tuple], spans: list, buffers: List[np.ndarray], pending):
+        self._ranges, self._spans, self._buffers, self._pending = ranges, spans, buffers, pending
+        #: Ranges handed over so far.
+        self.taken = 0
+        #: Seconds ``take`` blocked waiting for bytes.
+        self.waited_s = 0.0
+        self._span_of = [k for k, (*_, first, end) in enumerate(spans) for _ in range(first, end)]
+
+    def arrived(self) -> int:
+        """How many ranges, counted from the first, have all their bytes now (does not block)."""
+        done = self._pending.finished()
+        return self._spans[done - 1][4] if done else 0
+
+    def take(self, upto: int) -> List[np.ndarray]:
+        """The bytes of ranges [taken, upto), waiting for them where they have not arrived; a failed or short read
+        among them raises ExpertIOError (its ``range_index``: the first range of the failed read)."""
+        if upto <= self.taken:
+            return []
+        start = time.perf_counter()
+        failure = self._pending.wait(self._span_of[upto - 1] + 1)
+        self.waited_s += time.perf_counter() - start
+        if failure is not None:
+            k, err, got = failure
+            path, offset, n, first, _ = self._spans[k]
+            if err:
+                error = ExpertIOError(f"{path}: read of {n} bytes at offset {offset} failed ({os.strerror(err)})")
+            else:
+                error = ExpertIOError(f"{path}: short read, {got} of {n} bytes at offset {offset}")
+            error.range_index = first  # which of ``ranges`` failed (the caller knows whose bytes they are)
+            raise error
+        out = []
+        for r in range(self.taken, upto):
+            path, start_at, n = self._ranges[r]
+            _, offset, *_ = self._spans[self._span_of[r]]
+            out.append(self._buffers[self._span_of[r]][start_at - offset:start_at - offset + n])
+        self.taken = upto
+        return out
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds from the batch's start until its last read finished (once every range is taken)."""
+        return self._pending.elapsed

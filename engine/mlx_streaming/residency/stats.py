@@ -18,7 +18,9 @@ FIELDS = {
     "prefetched": "of the misses, experts placed from the prefetcher's staging (the rest were demand-loaded)",
     "evictions": "resident experts evicted to make room",
     "demand_bytes": "bytes read on the main thread at acquire (demand reads)",
-    "read_s": "seconds spent in demand reads",
+    "read_s": "seconds demand reads took, from their issue to their last byte (on the reader's threads, while the "
+              "main thread waits for them or places the experts that arrived first)",
+    "read_wait_s": "of the demand reads' seconds, those the main thread spent waiting for their bytes",
     "pool_writes": "writes into the pool's arrays: a host copy or slot write of one placed expert's tensor, or one "
                    "scatter of a tensor of all the experts one load places",
     "place_s": "seconds placing bytes into the pool (host writes, or host arrays and queued array writes, which run "

@@ -95,7 +95,7 @@ def _overhead_row(path: str, miss_check: Optional[str], rates, cpu_ms: float, st
     if not stats:  # in-memory: no store
         return row
     ms = 1000 / statistics.median(rates)
-    parts = {part: 1000 * stats[f"{part}_s"] / tokens for part in OVERHEAD_PARTS}
+    parts = {part: 1000 * stats[counter] / tokens for part, counter in OVERHEAD_PARTS.items()}
     return {**row, "pool_slots": pool_slots, "host_syncs_per_token": stats["host_syncs"] / tokens, "ms_per_token": ms,
             **{f"{part}_ms_per_token": value for part, value in parts.items()},
             "other_ms_per_token": ms - sum(parts.values()),
@@ -103,8 +103,9 @@ def _overhead_row(path: str, miss_check: Optional[str], rates, cpu_ms: float, st
             "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"])}
 
 
-#: The store's timed parts of a step, reported per token by ``bench --overhead`` (``residency.stats.FIELDS``).
-OVERHEAD_PARTS = ("sync", "route", "read", "place")
+#: The main thread's timed parts of a step, reported per token by ``bench --overhead``: part -> the store's counter
+#: (``residency.stats.FIELDS``). Reads count by their wait: the rest of a read runs while earlier experts are placed.
+OVERHEAD_PARTS = {"sync": "sync_s", "route": "route_s", "read": "read_wait_s", "place": "place_s"}
 
 
 def overhead_table(report: dict) -> str:
@@ -118,11 +119,11 @@ def overhead_table(report: dict) -> str:
              f"{r['deferred_retries']}/{r['deferred_forwards']}" if "deferred_forwards" in r else None, r["ids_match"]]
             for r in report["rows"]]
     return (tabulate(body, headers=["path", "miss check", "pool", "tok/s", "ms/token", "x in-memory", "CPU ms/token",
-                                    "CPU ms over in-memory", "host syncs/token", "wait ms", "route ms", "read ms",
+                                    "CPU ms over in-memory", "host syncs/token", "wait ms", "route ms", "read wait ms",
                                     "place ms", "other ms", "retried/deferred", "ids = in-memory"],
                      floatfmt=".2f", missingval="-")
             + f"\n{report['device']}  io_mode={report['io_mode']}  max_tokens={report['max_tokens']} "
               f"warmup={report['warmup']} repeat={report['repeat']} (tok/s and CPU ms: medians). Per decoded token, from "
               f"the end of the prompt's prefill; the counters and parts from the last timed run: host syncs; the host's "
-              f"wait for the device, route bookkeeping, demand reads and pool placement (ms); other = ms/token minus "
+              f"wait for the device, route bookkeeping, waits for demand reads and pool placement (ms); other = ms/token minus "
               f"those: building the step's graph and Python outside the store")
