@@ -159,38 +159,36 @@ class _Reported:
         return self.pending.wait(upto)
 
 
-@pytest.mark.parametrize("writes,batch,arrived,batches", [
-    ("host", 1, "none", [[0], [1], [2], [3]]),  # nothing arrived when asked: each expert once its own bytes are in
-    ("host", 1, "all", [[0, 1, 2, 3]]),  # everything arrived: one placement
-    ("host", 2, "none", [[0, 1], [2, 3]]),  # at least two experts' bytes per placement
-    ("host", None, "none", [[0, 1, 2, 3]]),  # the tiny model's experts are far below the batch bytes: one placement
-    ("slots", 1, "none", [[0], [1], [2], [3]]),
-    ("scatter", 1, "none", [[0, 1, 2, 3]]),  # one scatter per tensor for the whole load: every byte first
+@pytest.mark.parametrize("writes,batch,arrived,waits", [
+    ("host", "tensor", "none", "each tensor"),  # nothing arrived when asked: each tensor once its bytes are in
+    ("host", "expert", "none", "each expert"),  # at least an expert's bytes per batch
+    ("host", "tensor", "all", "once"),  # everything had arrived: one batch
+    ("host", None, "none", "once"),  # the tiny model's experts are far below the batch bytes: one batch
+    ("slots", "tensor", "none", "each tensor"),
+    ("scatter", "tensor", "none", "once"),  # one scatter per tensor for the whole load: every byte first
 ])
-def test_a_load_places_the_experts_that_have_arrived_while_the_rest_are_read(model_dir, monkeypatch, writes, batch,
-                                                                              arrived, batches):
+def test_a_load_writes_the_tensors_that_have_arrived_while_the_rest_are_read(model_dir, monkeypatch, writes, batch,
+                                                                             arrived, waits):
     with build_streaming_model(model_dir, StreamingConfig(pool_slots=8, verify=True)) as sm:
         store, layer = sm.store, sm.store.index.layers[0]
         store.pool.use_writes(writes)
-        if batch is not None:  # placements of ``batch`` experts' bytes at least
-            monkeypatch.setattr(loader, "PLACE_BATCH_BYTES", batch * store.index.expert_bytes)
-        waits, placed = [], []
-        real_start, real_place = store.reader._read_start, store.pool.place
+        per_expert, expert_bytes = len(store.index.slices(layer, 0)), store.index.expert_bytes
+        if batch is not None:  # batches of at least one tensor's or one expert's bytes
+            monkeypatch.setattr(loader, "PLACE_BATCH_BYTES", 1 if batch == "tensor" else expert_bytes)
+        seen = []
+        real_start = store.reader._read_start
 
         def start(requests):
             pending = real_start(requests)
             assert pending.wait(len(requests)) is None
-            return _Reported(pending, len(requests) if arrived == "all" else 0, waits)
+            return _Reported(pending, len(requests) if arrived == "all" else 0, seen)
 
-        def place(layer, experts, staged, protected):
-            placed.append(list(experts))
-            return real_place(layer, experts, staged, protected)
-
-        store.reader._read_start, store.pool.place = start, place
+        store.reader._read_start = start
         store.acquire(layer, [0, 1, 2, 3])
         stats = store.stats()
-        assert placed == batches
-        assert len(waits) == len(batches) and waits == sorted(set(waits))  # each wait for reads further on
+        tensors = 4 * per_expert
+        assert seen == {"each tensor": list(range(1, tensors + 1)), "each expert": list(range(per_expert, tensors + 1, per_expert)),
+                        "once": [tensors]}[waits]
         assert stats["misses"] == stats["verify_ok"] == 4 and stats["verify_bad"] == 0  # each slot holds its bytes
         assert all(store.pool.book.slot(layer, e) is not None for e in range(4))
 

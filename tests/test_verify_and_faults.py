@@ -10,8 +10,9 @@ from mlx_streaming.residency.checksums import ExpertVerifyError
 from mlx_streaming.config import StreamingConfig
 from mlx_streaming.errors import ExpertIOError
 from mlx_streaming.decode.greedy import greedy_generate
-from mlx_streaming.io.reader import ExpertReader
+from mlx_streaming.io.reader import ExpertReader, PendingRead
 from mlx_streaming.model import build_streaming_model
+from mlx_streaming.residency import loader
 
 
 @pytest.mark.parametrize("io_mode", ["buffered", "direct"])
@@ -97,3 +98,27 @@ def test_io_fault_mid_decode_raises_clearly_and_the_next_request_succeeds(model_
         assert store.stats()["verify_bad"] == 0
         # the fault has cleared: decoding works again and still equals the oracle
         assert greedy_generate(sm.model, prompt_ids[1], 16) == greedy_generate(reference_model, prompt_ids[1], 16)
+
+
+@pytest.mark.parametrize("fault", ["eio", "short"])
+def test_a_read_failing_mid_load_leaves_the_experts_before_it_placed_and_the_rest_out(model_dir, monkeypatch, fault):
+    """Tensors are written as their bytes arrive, so a load can fail with some experts written: those are resident
+    and hold the disk's bytes; the failing expert and the ones after it give their slots back, half-written or not
+    begun; the same acquire then succeeds."""
+    monkeypatch.setattr(loader, "PLACE_BATCH_BYTES", 1)  # a batch per tensor,
+    monkeypatch.setattr(PendingRead, "arrived", lambda self: 0)  # each taken alone, as if none had arrived yet
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=8, verify=True)) as sm:
+        store, layer = sm.store, sm.store.index.layers[0]
+        per_expert = len(store.index.slices(layer, 0))
+        reader = FaultyReader(fault, fail_at=per_expert + 3)  # the second expert's third tensor
+        store.reader = store.loader.reader = reader
+        with pytest.raises(ExpertIOError, match=f"layer {layer} expert 1: "):
+            store.acquire(layer, [0, 1, 2, 3])
+        book = store.pool.book
+        assert book.resident(layer) == [0]
+        assert store.stats()["verify_ok"] == 1 and store.stats()["verify_bad"] == 0
+        # every other slot is free again: seven more experts fill the pool of eight, evicting none
+        assert store.acquire(layer, list(range(1, 8))) == [book.slot(layer, e) for e in range(1, 8)]
+        assert book.resident(layer) == list(range(8))
+        assert store.stats()["evictions"] == 0 and store.stats()["verify_ok"] == 8
+        reader.close()

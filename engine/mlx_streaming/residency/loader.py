@@ -1,7 +1,8 @@
 """ExpertLoader: brings missing experts into a layer's pool. Bytes staged by the prefetcher are taken, the rest
-read in one batch; each expert is placed once its bytes have arrived (never before: a failed read leaves no
-expert half placed), the first while the reader still reads the rest, except where the pool places a load with
-one scatter per tensor (then all arrive first). The byte verifier, where there is one, checks each expert placed.
+read in one batch. The read experts get their slots at once and each tensor is written as soon as its bytes have
+arrived, while the reader still reads the rest (an expert whose bytes do not all arrive gives its slot back: a
+failed read leaves no expert half placed), except where the pool places a load with one scatter per tensor (then
+every byte arrives first). The byte verifier, where there is one, checks each expert placed.
 
 Placement does not wait for the device: host writes land at once (``ExpertPool.writes``), array writes are
 evaluated with the layer that computes over them (queued as soon as that layer is built). Both are safe because
@@ -17,15 +18,15 @@ from typing import Dict, List
 
 from ..checkpoint.experts import ExpertIndex
 from ..errors import ExpertIOError
-from ..io.reader import ExpertReader
+from ..io.reader import ExpertReader, PendingRead
 from .pool import ExpertPool
 from .stats import ResidencyStats
 
 
-#: The fewest bytes of arrived experts placed at once while the rest of a load is read. Each placement has a fixed
-#: cost (slot choice and Python, about 80 us on the 2-core CPU): placing 15 KB experts one by one as they arrived
-#: decoded the default model's 25% pool 12% slower there; 1 MiB takes about 0.5 ms to read at 2 GB/s.
-PLACE_BATCH_BYTES = 1 << 20
+#: The fewest bytes of arrived tensors written at once while the rest of a load is read: each batch has a fixed cost
+#: (a wait and Python, tens of microseconds); the default model's 15 KB experts are placed after a whole layer
+#: call's reads, as before, and the real geometry's 1.77 MB experts tensor by tensor.
+PLACE_BATCH_BYTES = 256 * 1024
 
 
 class ExpertLoader:
@@ -43,28 +44,51 @@ class ExpertLoader:
         if not demand:
             self._place(layer, experts, staged, protected)
             return
-        slices = [self.index.slices(layer, e) for e in demand]
-        per_expert = len(slices[0])
-        reading = self.reader.start([(s.path, s.offset, s.nbytes) for per in slices for s in per])
-        self.counters.demand_bytes += sum(s.nbytes for per in slices for s in per)
-        whole = self.pool.writes == "scatter"  # one scatter per tensor for the whole load: every byte first
-        step = len(demand) if whole else max(1, PLACE_BATCH_BYTES // self.index.expert_bytes)
-        if staged and not whole:
-            self._place(layer, list(staged), staged, protected)
-        placed = 0
+        tensors = [(e, s) for e in demand for s in self.index.slices(layer, e)]  # in the order they are read
+        per_expert = len(tensors) // len(demand)
+        reading = self.reader.start([(s.path, s.offset, s.nbytes) for _, s in tensors])
+        self.counters.demand_bytes += sum(s.nbytes for _, s in tensors)
         try:
-            while placed < len(demand):  # the next batch: at least ``step`` experts, and all that have arrived
-                ready = min(len(demand), max(placed + step, reading.arrived() // per_expert))
-                buffers = reading.take(ready * per_expert)
-                batch = {e: buffers[i * per_expert:(i + 1) * per_expert] for i, e in enumerate(demand[placed:ready])}
-                if whole:
-                    batch.update(staged)
-                self._place(layer, [e for e in experts if e in batch], batch, protected)
-                placed = ready
+            if self.pool.writes == "scatter":  # one scatter per tensor for the whole load: every byte first
+                buffers = reading.take(len(tensors))
+                staged.update((e, buffers[i * per_expert:(i + 1) * per_expert]) for i, e in enumerate(demand))
+                self._place(layer, experts, staged, protected)
+            else:
+                if staged:
+                    self._place(layer, list(staged), staged, protected)
+                self._place_as_read(layer, demand, tensors, reading, protected)
         except ExpertIOError as exc:
             raise ExpertIOError(f"layer {layer} expert {demand[exc.range_index // per_expert]}: {exc}") from None
         self.counters.read_s += reading.elapsed
         self.counters.read_wait_s += reading.waited_s
+
+    def _place_as_read(self, layer: int, demand: List[int], tensors: list, reading: PendingRead, protected: set) -> None:
+        """Give ``demand`` their slots, then write each of their ``tensors`` (expert, slice) once its bytes have
+        arrived, in batches of at least ``PLACE_BATCH_BYTES`` and every tensor that has arrived, while the reader
+        reads the rest; an expert whose bytes do not all arrive gets no slot."""
+        start = time.perf_counter()
+        placed, evictions = self.pool.assign(layer, demand, protected)
+        self.counters.evictions += evictions
+        self.counters.place_s += time.perf_counter() - start
+        slots, per_expert = dict(placed), len(tensors) // len(demand)
+        step = max(1, PLACE_BATCH_BYTES * per_expert // self.index.expert_bytes)  # tensors
+        written = 0
+        try:
+            while written < len(tensors):
+                ready = min(len(tensors), max(written + step, reading.arrived()))
+                buffers = reading.take(ready)
+                start = time.perf_counter()
+                for (expert, tensor), buf in zip(tensors[written:ready], buffers):
+                    self.pool.write_tensor(layer, slots[expert], tensor, buf)
+                self.counters.place_s += time.perf_counter() - start
+                self.counters.pool_writes += ready - written
+                if self.verifier is not None:  # the experts whose every tensor is now written
+                    for expert in demand[written // per_expert:ready // per_expert]:
+                        self.verifier.check(layer, expert, self.pool.arrays[layer], slots[expert])
+                written = ready
+        except ExpertIOError:
+            self.pool.release(layer, demand[written // per_expert:])
+            raise
 
     def _staged(self, layer: int, experts: List[int]) -> Dict[int, list]:
         """The host buffers the prefetcher staged for any of ``experts``, taken from it."""

@@ -103,6 +103,13 @@ class SlotBook:
         self._stamp(self.key_base[layer] + np.array(experts, dtype=np.int64))
         return placed
 
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        """Take placed ``experts`` out again (their bytes never all arrived): not resident, their slots free."""
+        row = self.table[self.row[layer]]
+        for e in experts:
+            self._free[layer].append(int(row[e]))
+            row[e] = -1
+
     def _victims(self, layer: int, n: int, protected: Collection[int]) -> List[int]:
         """The ``n`` residents to evict, first to go first."""
         if n == 0:

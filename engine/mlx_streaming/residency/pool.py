@@ -140,19 +140,39 @@ class ExpertPool:
         """Write each expert's ``staged`` host buffers (one per tensor, in ``index.slices`` order) into a free or
         evicted slot of ``layer`` (never one of ``protected``); the arrays are left to evaluate. Returns the
         (expert, slot) pairs placed, the number of experts evicted and the writes into the pool's arrays."""
-        placed = self.book.place(layer, experts, protected)
-        evictions = sum(evicted is not None for _, _, evicted in placed)
-        placed = [(expert, slot) for expert, slot, _ in placed]
+        placed, evictions = self.assign(layer, experts, protected)
         tensors = len(self.arrays[layer])
         if self.writes == "scatter" and len(placed) > 1:
             self._write_batched(layer, placed, staged)
-            writes = tensors
-        else:
-            self._write_each(layer, placed, staged)
-            writes = tensors * len(placed)
+            return placed, evictions, tensors
+        for expert, slot in placed:
+            for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
+                self.write_tensor(layer, slot, s, buf)
+        return placed, evictions, tensors * len(placed)
+
+    def assign(self, layer: int, experts: List[int], protected: set) -> Tuple[List[Tuple[int, int]], int]:
+        """Give each of ``experts`` (not resident) a free or evicted slot of ``layer``, never one of
+        ``protected``: the (expert, slot) pairs, and the number of experts evicted. Their bytes are written next
+        (``write_tensor``); an expert whose bytes do not all arrive is given back (``release``)."""
+        placed = self.book.place(layer, experts, protected)
+        evictions = sum(evicted is not None for _, _, evicted in placed)
         self._device[layer] = None
         self.complete = self.identity and bool((self._table >= 0).all())
-        return placed, evictions, writes
+        return [(expert, slot) for expert, slot, _ in placed], evictions
+
+    def write_tensor(self, layer: int, slot: int, tensor, buf: np.ndarray) -> None:
+        """One expert tensor's bytes (``tensor``: its ``index.slices`` entry) into ``slot``: a host copy through the
+        pool's view (``host``), else a host array written into the slot."""
+        if self.writes == "host":
+            self.host_views[layer][tensor.tensor][slot] = buf
+        else:
+            self.arrays[layer][tensor.tensor][slot] = _to_mx(buf, tensor.dtype, tensor.shape)
+
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        """``experts``, assigned slots whose bytes did not all arrive, are not resident after all."""
+        self.book.release(layer, experts)
+        self._device[layer] = None
+        self.complete = False
 
     def _choose_writes(self) -> str:
         """``host`` where the device computes in host memory and a probe write through a view of every pool array
@@ -173,15 +193,6 @@ class ExpertPool:
         if writes == "host" and not self.host_views:
             raise ValueError("host writes need a backend whose arrays live in host memory")
         self.writes = writes
-
-    def _write_each(self, layer: int, placed: List[Tuple[int, int]], staged: Dict[int, list]) -> None:
-        """Each placed expert's tensors one by one: a host copy through the pool's views (``host``), else a host
-        array written into the slot."""
-        host = self.writes == "host"
-        targets = self.host_views[layer] if host else self.arrays[layer]
-        for expert, slot in placed:
-            for s, buf in zip(self.index.slices(layer, expert), staged[expert]):
-                targets[s.tensor][slot] = buf if host else _to_mx(buf, s.dtype, s.shape)
 
     def _write_batched(self, layer: int, placed: List[Tuple[int, int]], staged: Dict[int, list]) -> None:
         """One host array of all of ``placed``'s bytes (one copy to the device), then one scatter per expert
