@@ -4,9 +4,13 @@ greedy continuation is the in-memory oracle's (computed once per prompt for the 
 
 import itertools
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_streaming.mtp.speculative import mtp_generate
+from mlx_streaming.mtp.drafter import MTPDrafter
+from mlx_streaming.mtp.speculative import _catch_up, mtp_generate
+from mlx_streaming.runtime.qwen3_next import forward_with_hidden
 
 pytestmark = pytest.mark.exact
 MAX_TOKENS = 40
@@ -65,3 +69,25 @@ def test_every_accept_length_commits_exactly(mtp_model, oracle, prompt_ids, exac
         assert (stats["direct_commits"], stats["fallback_replays"], stats["replayed_tokens"]) == (want["partial"], 0, 0)
     else:
         assert (stats["direct_commits"], stats["fallback_replays"], stats["replayed_tokens"]) == (0, want["partial"], want["replayed"])
+
+
+def test_a_catch_up_feeds_the_head_in_power_of_two_chunks_leaving_the_same_cache(mtp_model):
+    """Positions the head did not draft for are fed in chunks of 8, 2 and 1 (11 of them): a backend that compiles
+    kernels per shape meets a few shapes, not one per count. The head ends where one feed of all 11 leaves it,
+    bit for bit on this CPU (a forward over K positions equals K single steps here)."""
+    sm = mtp_model
+    tokens = list(range(100, 112))
+    cache = make_prompt_cache(sm.model)
+    _, hidden = forward_with_hidden(sm.model, mx.array([tokens]), cache)
+    pairs = [(tokens[i + 1], hidden[:, i:i + 1]) for i in range(11)]
+    once, chunked = MTPDrafter(sm.mtp, sm.model), MTPDrafter(sm.mtp, sm.model)
+    once.extend([t for t, _ in pairs], mx.concatenate([h for _, h in pairs], axis=1))
+    sizes = []
+    real_extend = chunked.extend
+    chunked.extend = lambda next_tokens, hiddens: sizes.append(len(next_tokens)) or real_extend(next_tokens, hiddens)
+    _catch_up(chunked, pairs)
+    assert sizes == [8, 2, 1]
+    assert once.cache.offset == chunked.cache.offset == 11
+    assert all(mx.array_equal(a, b).item() for a, b in zip(once.cache.state, chunked.cache.state))
+    assert mx.array_equal(once._last, chunked._last).item()
+    assert once.propose(3) == chunked.propose(3)
