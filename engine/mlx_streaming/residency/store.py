@@ -71,8 +71,9 @@ class ExpertStore:
         """Every counter (``residency.stats.FIELDS``), and what follows from them: ``demand_loads``,
         ``prefetch_bytes``, ``bytes_read`` (every byte read from disk), ``read_calls`` (the reader's system
         reads), ``hidden_read_share`` (of the seconds spent reading the experts placed, on demand or by the
-        prefetcher, the share no acquire waited for), and ``verify_from_manifest`` / ``prefetch_staging_bytes``
-        where those parts exist."""
+        prefetcher, the share no acquire waited for: the prefetcher's reads hidden behind compute, and the part of
+        a demand read that ran while the experts read before it were placed), and ``verify_from_manifest`` /
+        ``prefetch_staging_bytes`` where those parts exist."""
         self.guard.bulk.count()
         c = self.counters
         out = c.as_dict()
@@ -81,7 +82,8 @@ class ExpertStore:
         out["bytes_read"] = c.demand_bytes + out["prefetch_bytes"]
         out["read_calls"] = self.reader.reads
         reading = c.read_s + c.prefetch_read_s
-        out["hidden_read_share"] = c.prefetch_hidden_s / reading if reading else 0.0
+        hidden = c.prefetch_hidden_s + max(0.0, c.read_s - c.read_wait_s)
+        out["hidden_read_share"] = hidden / reading if reading else 0.0
         if self.verifier is not None:
             out["verify_from_manifest"] = self.verifier.from_manifest
         if self.prefetcher is not None:
