@@ -118,7 +118,8 @@ static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_s
 typedef struct batch {
     request_t *reqs;
     Py_ssize_t n, next, done;
-    Py_ssize_t ready;  /* requests [0, ready) are finished: advanced by the waiter */
+    Py_ssize_t ready;  /* requests [0, ready) are finished */
+    Py_ssize_t want;   /* the prefix a waiter waits for (0: none): it is woken once, when that is finished */
     int64_t started_ns, finished_ns;
     pthread_cond_t finished;
     struct batch *link;
@@ -149,7 +150,8 @@ static void *worker_main(void *unused) {
         pthread_mutex_lock(&pool_lock);
         b->reqs[i].finished = 1;
         if (++b->done == b->n) b->finished_ns = now_ns();
-        pthread_cond_broadcast(&b->finished); /* a waiter may want this one alone */
+        while (b->ready < b->n && b->reqs[b->ready].finished) b->ready++;
+        if (b->want && b->ready >= b->want) pthread_cond_signal(&b->finished);
     }
     pthread_mutex_unlock(&pool_lock);
     free(bounce);
@@ -184,11 +186,11 @@ static int submit_batch(batch_t *b, int threads) {
 /* Block until requests [0, upto) of a submitted batch are finished. Called without the GIL. */
 static void wait_batch(batch_t *b, Py_ssize_t upto) {
     pthread_mutex_lock(&pool_lock);
-    for (;;) {
-        while (b->ready < upto && b->reqs[b->ready].finished) b->ready++;
-        if (b->ready >= upto) break;
+    while (b->ready < upto) {
+        b->want = upto;
         pthread_cond_wait(&b->finished, &pool_lock);
     }
+    b->want = 0;
     pthread_mutex_unlock(&pool_lock);
 }
 
@@ -277,9 +279,7 @@ PyDoc_STRVAR(pending_finished_doc,
 static PyObject *pending_finished(PendingObject *self, PyObject *unused) {
     (void)unused;
     pthread_mutex_lock(&pool_lock);
-    batch_t *b = &self->batch;
-    while (b->ready < b->n && b->reqs[b->ready].finished) b->ready++;
-    Py_ssize_t ready = b->ready;
+    Py_ssize_t ready = self->batch.ready;
     pthread_mutex_unlock(&pool_lock);
     return PyLong_FromSsize_t(ready);
 }
