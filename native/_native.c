@@ -228,26 +228,26 @@ static int parse_requests(PyObject *items, request_t *reqs, Py_buffer *views, Py
     return 0;
 }
 
-/* A started batch: its requests, the buffers they fill (held until every read has finished) and the batch. */
+/* A started batch (its requests and their count are the batch's) and the buffers they fill, held until every
+ * read has finished. */
 typedef struct {
     PyObject_HEAD
-    request_t *reqs;
-    Py_buffer *views;
-    Py_ssize_t n, held;
     batch_t batch;
+    Py_buffer *views;
+    Py_ssize_t held;
     int submitted;
 } PendingObject;
 
 static void pending_dealloc(PendingObject *self) {
     if (self->submitted) {
         Py_BEGIN_ALLOW_THREADS
-        wait_batch(&self->batch, self->n); /* the pool may still write into the buffers */
+        wait_batch(&self->batch, self->batch.n); /* the pool may still write into the buffers */
         Py_END_ALLOW_THREADS
     }
     pthread_cond_destroy(&self->batch.finished);
     for (Py_ssize_t i = 0; i < self->held; i++) PyBuffer_Release(&self->views[i]);
     free(self->views);
-    free(self->reqs);
+    free(self->batch.reqs);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -259,15 +259,15 @@ PyDoc_STRVAR(pending_wait_doc,
 static PyObject *pending_wait(PendingObject *self, PyObject *args) {
     Py_ssize_t upto;
     if (!PyArg_ParseTuple(args, "n", &upto)) return NULL;
-    if (upto < 0 || upto > self->n) {
-        PyErr_Format(PyExc_ValueError, "wait(%zd) on a batch of %zd reads", upto, self->n);
+    if (upto < 0 || upto > self->batch.n) {
+        PyErr_Format(PyExc_ValueError, "wait(%zd) on a batch of %zd reads", upto, self->batch.n);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     wait_batch(&self->batch, upto);
     Py_END_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < upto; i++) {
-        request_t *rq = &self->reqs[i];
+        request_t *rq = &self->batch.reqs[i];
         if (rq->err || rq->got != rq->length) return Py_BuildValue("(niL)", i, rq->err, (long long)rq->got);
     }
     Py_RETURN_NONE;
@@ -288,10 +288,11 @@ static PyObject *pending_elapsed(PendingObject *self, void *closure) {
     (void)closure;
     pthread_mutex_lock(&pool_lock);
     int64_t started = self->batch.started_ns, finished = self->batch.finished_ns;
-    int done = self->batch.done == self->n;
+    Py_ssize_t n = self->batch.n;
+    int done = self->batch.done == n;
     pthread_mutex_unlock(&pool_lock);
     if (!done) Py_RETURN_NONE;
-    return PyFloat_FromDouble(self->n ? (double)(finished - started) / 1e9 : 0.0);
+    return PyFloat_FromDouble(n ? (double)(finished - started) / 1e9 : 0.0);
 }
 
 static PyMethodDef pending_methods[] = {
@@ -332,17 +333,16 @@ static PyObject *py_read_start(PyObject *self, PyObject *args) {
     if (!items) return NULL;
     PendingObject *p = PyObject_New(PendingObject, &PendingType);
     if (!p) { Py_DECREF(items); return NULL; }
-    p->n = PySequence_Fast_GET_SIZE(items);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    init_batch(&p->batch, calloc(n ? n : 1, sizeof(request_t)), n);
+    p->views = calloc(n ? n : 1, sizeof(Py_buffer));
     p->held = 0;
     p->submitted = 0;
-    p->reqs = calloc(p->n ? p->n : 1, sizeof(request_t));
-    p->views = calloc(p->n ? p->n : 1, sizeof(Py_buffer));
-    init_batch(&p->batch, p->reqs, p->n);
-    if (!p->reqs || !p->views) PyErr_NoMemory();
-    int ok = p->reqs && p->views && parse_requests(items, p->reqs, p->views, &p->held) == 0;
+    if (!p->batch.reqs || !p->views) PyErr_NoMemory();
+    int ok = p->batch.reqs && p->views && parse_requests(items, p->batch.reqs, p->views, &p->held) == 0;
     Py_DECREF(items);
     if (!ok) { Py_DECREF(p); return NULL; }
-    if (p->n) {
+    if (n) {
         int rc;
         Py_BEGIN_ALLOW_THREADS
         rc = submit_batch(&p->batch, threads < 1 ? 1 : threads);

@@ -56,21 +56,22 @@ class ExpertLoader:
             else:
                 if staged:
                     self._place(layer, list(staged), staged, protected)
-                self._place_as_read(layer, demand, tensors, reading, protected)
+                self._place_as_read(layer, demand, tensors, per_expert, reading, protected)
         except ExpertIOError as exc:
             raise ExpertIOError(f"layer {layer} expert {demand[exc.range_index // per_expert]}: {exc}") from None
         self.counters.read_s += reading.elapsed
         self.counters.read_wait_s += reading.waited_s
 
-    def _place_as_read(self, layer: int, demand: List[int], tensors: list, reading: PendingRead, protected: set) -> None:
-        """Give ``demand`` their slots, then write each of their ``tensors`` (expert, slice) once its bytes have
-        arrived, in batches of at least ``PLACE_BATCH_BYTES`` and every tensor that has arrived, while the reader
-        reads the rest; an expert whose bytes do not all arrive gets no slot."""
+    def _place_as_read(self, layer: int, demand: List[int], tensors: list, per_expert: int, reading: PendingRead,
+                       protected: set) -> None:
+        """Give ``demand`` their slots, then write each of their ``tensors`` (expert, slice; ``per_expert`` per
+        expert) once its bytes have arrived, in batches of at least ``PLACE_BATCH_BYTES`` and every tensor that has
+        arrived, while the reader reads the rest; an expert whose bytes do not all arrive gets no slot."""
         start = time.perf_counter()
         placed, evictions = self.pool.assign(layer, demand, protected)
         self.counters.evictions += evictions
         self.counters.place_s += time.perf_counter() - start
-        slots, per_expert = dict(placed), len(tensors) // len(demand)
+        slots = dict(placed)
         step = max(1, PLACE_BATCH_BYTES * per_expert // self.index.expert_bytes)  # tensors
         written = 0
         try:
