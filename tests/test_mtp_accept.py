@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_streaming.mtp.drafter import MTPDrafter
+from mlx_streaming.mtp import speculative
 from mlx_streaming.mtp.speculative import _catch_up, mtp_generate
 from mlx_streaming.runtime.qwen3_next import forward_with_hidden
 
@@ -91,3 +92,37 @@ def test_a_catch_up_feeds_the_head_in_power_of_two_chunks_leaving_the_same_cache
     assert all(mx.array_equal(a, b).item() for a, b in zip(once.cache.state, chunked.cache.state))
     assert mx.array_equal(once._last, chunked._last).item()
     assert once.propose(3) == chunked.propose(3)
+
+
+def test_the_catch_up_of_a_switch_to_drafting_is_done_before_the_k_chooser_times_the_step(
+        mtp_model, oracle, prompt_ids, exact_tokens, monkeypatch):
+    """auto starts at K=1 and probes K=2 after a few steps: the head first catches up on the positions it missed,
+    and that work (``settle``: the drafter computes what the feeds queued) is done and counted as the run's
+    ``catch_up`` time, outside the step the K chooser weighs. A fake clock ticks 1 ms per reading and 100 s per
+    settle, so where the head's work lands is exact."""
+    class Clock:
+        now = 0.0
+
+        @staticmethod
+        def perf_counter():
+            Clock.now += 0.001
+            return Clock.now
+
+    class Settling(OracleDrafter):
+        settled = 0
+
+        def settle(self):
+            self.settled += 1
+            Clock.now += 100.0
+
+    monkeypatch.setattr(speculative, "time", Clock)
+    sm, ids = mtp_model, prompt_ids[1]
+    n = min(MAX_TOKENS, exact_tokens - 4)  # auto's largest K is 4
+    greedy = oracle.ids(1, n + 4)
+    drafter = Settling(greedy, itertools.repeat(99), len(ids), sm.model.args.vocab_size)  # no wrong draft
+    out, stats = mtp_generate(sm.model, drafter, ids, n, "auto")
+    assert out == greedy[:n]
+    assert stats["k_hist"][:5] == [1, 1, 1, 1, 2]  # four steps without drafts, then the probe of K=2
+    assert drafter.settled >= 1
+    assert 100 * drafter.settled <= stats["time_s"]["catch_up"] < 100 * drafter.settled + 1
+    assert all(row["ms_per_step"] < 1000 for row in stats["k_choice"] if row["ms_per_step"] is not None)

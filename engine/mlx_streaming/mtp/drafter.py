@@ -36,6 +36,10 @@ class MTPDrafter:
             self._provisional = 0
         self._last = self._step(next_tokens, hiddens)[:, -1:]
 
+    def settle(self) -> None:
+        """Compute what ``extend`` queued (its cache entries and last output) now, not at the next draft."""
+        mx.eval(self._last)
+
     def propose(self, n: int) -> List[int]:
         """Draft ``n`` tokens after the last extended position."""
         h = self._last

@@ -32,7 +32,7 @@ from .autok import KChooser
 #: before them stay out of its cache: its drafts may be a little worse, the ids are greedy's whatever it drafts).
 UNFED_KEPT = 16
 
-PHASES = ("prefill", "draft", "snapshot", "verify", "sync", "commit", "replay", "finalize")
+PHASES = ("prefill", "catch_up", "draft", "snapshot", "verify", "sync", "commit", "replay", "finalize")
 
 
 @dataclass
@@ -128,7 +128,9 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
     while produced < max_tokens:
         k = chooser.choose() if chooser else K
         if k > 1 and unfed:  # the head drafts again: feed it the positions it missed (at most UNFED_KEPT)
+            clock.lap("draft")
             _catch_up(drafter, unfed)
+            clock.lap("catch_up")
             unfed = []
         step_start = time.perf_counter()  # the chooser weighs K's steady step, not the catch-up of a switch to it
         drafts = drafter.propose(k - 1) if k > 1 else []
@@ -187,12 +189,14 @@ def _catch_up(drafter, unfed: List[Tuple[int, mx.array]]) -> None:
     """Feed the head the (token, hidden) pairs of steps it did not draft for, in chunks whose sizes are powers of
     two (11 pairs: 8, 2, 1), the same entries in its cache as one feed of them all: a backend that compiles kernels
     per shape (MLX's CUDA backend does for some) then meets at most log2(UNFED_KEPT) + 1 new shapes here, not one
-    per count of missed positions."""
+    per count of missed positions. The head's work is done here (``settle``), so that the step after it, which the
+    K chooser times, does not carry it."""
     at = 0
     while at < len(unfed):
         chunk = unfed[at:at + (1 << ((len(unfed) - at).bit_length() - 1))]
         drafter.extend([t for t, _ in chunk], mx.concatenate([h for _, h in chunk], axis=1))
         at += len(chunk)
+    drafter.settle()
 
 
 def _verify(model, ids: mx.array, cache, captures) -> Tuple[mx.array, mx.array]:
