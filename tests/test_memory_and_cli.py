@@ -120,7 +120,9 @@ def test_bench_k_report_compares_auto_with_every_fixed_k(model_dir):
     # 8 tokens: the chooser's first CLIMB_AFTER steps at K=1, then K=2 once (no more than 7 steps in all)
     assert report["auto_k_steps_per_round"] == [report["auto_k_steps"]] and report["auto_k_steps"]["1"] >= 4
     assert len(report["tok_s_per_round"]["auto"]) == 1
-    assert "auto / best fixed" in bench.auto_table(report, "K")
+    (catch_up_ms,) = report["auto_catch_up_ms_per_round"]  # the K=2 probe fed the head the positions before it
+    assert catch_up_ms > 0
+    assert "auto / best fixed" in bench.auto_table(report, "K") and "catch-ups" in bench.auto_table(report, "K")
 
 
 def test_bench_prefetch_auto_report_compares_auto_with_on_and_off(model_dir):

@@ -31,14 +31,15 @@ def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict
             def once(n):
                 ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, run.commit_mode,
                                           config.prefill_chunk)
-                return stats["decode_tok_s"], ids, stats["k_hist"]
+                return stats["decode_tok_s"], ids, (stats["k_hist"], stats["time_s"]["catch_up"])
             return once
 
         rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, run)
-        steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, chosen in runs["auto"]]
+        steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, (chosen, _) in runs["auto"]]
         return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": run.max_tokens,
                 "repeat": run.repeat, **_versus_best(rates, "auto"), "tok_s_per_round": rates,
                 "auto_k_steps": steps[-1], "auto_k_steps_per_round": steps,
+                "auto_catch_up_ms_per_round": [1000 * s for _, (_, s) in runs["auto"]],
                 "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
 
 
@@ -75,7 +76,8 @@ def auto_table(report: dict, what: str) -> str:
 
     best = report["tok_s"][str(report["best_fixed"])]["median"]
     body = [[name, v["median"], v["min"], v["max"], v["median"] / best] for name, v in report["tok_s"].items()]
-    detail = (f"auto's steps by K in the last round: {report['auto_k_steps']}; every run's ids equal greedy's: "
+    detail = (f"auto's steps by K in the last round: {report['auto_k_steps']}, its head's catch-ups "
+              f"{report['auto_catch_up_ms_per_round'][-1]:.1f} ms; every run's ids equal greedy's: "
               f"{report['ids_equal_greedy']}" if what == "K" else
               f"auto's decisions: {report['auto_decisions']}, its last probes (s per token): "
               f"{report['auto_measured_s_per_token']}; ids identical across arms: {report['ids_identical']}")
