@@ -116,3 +116,37 @@ def test_on_noisy_measured_profiles_auto_keeps_near_the_best_fixed_k():
         mean = lambda k: sum(_tok_s(profile, tokens, seed, k) for seed in range(100)) / 100
         best = max(mean(k) for k in (1, 2, 3, 4))
         assert mean(None) >= floor * best, (profile, tokens)
+
+
+def _run_as_decoded(chooser, steps, cost, acceptance, seed=0):
+    """``_run``, the way the decoder drives the chooser: a choice of K=1 runs ``hold()`` steps (one ahead) before
+    the chooser is asked again; each is recorded."""
+    rng = random.Random(seed)
+    chosen = []
+    while len(chosen) < steps:
+        k = chooser.choose()
+        for _ in range(min(chooser.hold() if k == 1 else 1, steps - len(chosen))):
+            accepted = 0
+            while accepted < k - 1 and rng.random() < acceptance:
+                accepted += 1
+            chooser.record(k, cost(k), accepted)
+            chosen.append(k)
+    return chosen
+
+
+def test_a_choice_of_k_1_holds_until_the_chooser_would_decide_again():
+    """Where costs hold still, running K=1's steps for ``hold()`` at a time chooses what asking at every step
+    chooses: the climb's first steps, the stretches between reprobes, a reprobe of K=1 one step long."""
+    chooser = KChooser()
+    assert chooser.choose() == 1 and chooser.hold() == CLIMB_AFTER
+    chooser.record(1, 0.01, 0)
+    assert chooser.choose() == 1 and chooser.hold() == CLIMB_AFTER - 1
+    profiles = [(lambda k: 0.01 * k, 0.5), (lambda k: 0.070 * k, 0.6), (lambda k: 0.010 + 0.001 * k, 0.8),
+                (lambda k: 0.010 + 0.004 * k, 0.55)]
+    for cost, acceptance in profiles:
+        asked, held = KChooser(), KChooser()
+        assert _run_as_decoded(held, 600, cost, acceptance) == _run(asked, 600, cost, acceptance)
+        assert held.summary() == asked.summary()
+    stretch = KChooser()
+    _run(stretch, CLIMB_AFTER + 1, cost=lambda k: 0.01 * k, acceptance=0.5)  # the climb: K=2 lost
+    assert stretch.choose() == 1 and stretch.hold() == REPROBE_EVERY

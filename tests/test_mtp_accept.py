@@ -126,3 +126,24 @@ def test_the_catch_up_of_a_switch_to_drafting_is_done_before_the_k_chooser_times
     assert drafter.settled >= 1
     assert 100 * drafter.settled <= stats["time_s"]["catch_up"] < 100 * drafter.settled + 1
     assert all(row["ms_per_step"] < 1000 for row in stats["k_choice"] if row["ms_per_step"] is not None)
+
+
+def test_steps_without_drafts_run_one_ahead_for_as_long_as_k_1_holds(mtp_model, oracle, prompt_ids, monkeypatch):
+    """Fixed K=1 decodes as greedy decoding does, one step ahead through ``run_ahead``, in one stretch; auto runs
+    its first CLIMB_AFTER steps as one stretch, then probes K=2. Ids equal greedy's either way."""
+    from mlx_streaming.mtp.autok import CLIMB_AFTER
+
+    stretches = []
+    real = speculative.run_ahead
+
+    def counted(model, step, first, n):
+        stretches.append(n)
+        return real(model, step, first, n)
+
+    monkeypatch.setattr(speculative, "run_ahead", counted)
+    sm, ids = mtp_model, prompt_ids[1]
+    out, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), ids, 12, 1)
+    assert out == oracle.ids(1, 12) and stretches == [11] and stats["steps"] == 11
+    stretches.clear()
+    out, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), ids, 12, "auto")
+    assert out == oracle.ids(1, 12) and stretches[0] == CLIMB_AFTER and stats["k_hist"][CLIMB_AFTER] == 2

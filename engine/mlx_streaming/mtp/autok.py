@@ -15,7 +15,9 @@ before it cost and is accepted less often: where K=2 does not pay, K=3 will not)
 neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
 (to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
 follows drifting costs and acceptance, and where speculation never pays, auto spends one K=2 step (at most
-PROBE_MAX, where K=2 reads close) in its first 64 and a few after. Exactness does not depend on K: every step commits greedy's ids.
+PROBE_MAX, where K=2 reads close) in its first 64 and a few after. A choice of K=1 holds until the chooser's next
+decision (``hold``), so the decoder runs those steps one ahead, as greedy decoding does. Exactness does not depend
+on K: every step commits greedy's ids.
 """
 
 from __future__ import annotations
@@ -66,6 +68,16 @@ class KChooser:
             self._reprobe_of = best
             return min(self._neighbours(best), key=lambda k: self.last_step[k])
         return best
+
+    def hold(self) -> int:
+        """How many steps a choice of K=1 just made holds before the chooser decides again: the climb's steps left
+        at K=1, one for a reprobe, else the steps until the next reprobe. The decoder runs them one step ahead, the
+        way greedy decoding runs (a step without drafts has nothing to wait for)."""
+        if self.steps[self.candidates[0]] < CLIMB_AFTER:
+            return CLIMB_AFTER - self.steps[self.candidates[0]]
+        if self._reprobe_of is not None or self.next_reprobe is None:
+            return 1
+        return max(1, self.next_reprobe - self.step)
 
     def _climb(self) -> Optional[int]:
         """The K the climb probes next (the one above the largest measured, where that is the best; the largest

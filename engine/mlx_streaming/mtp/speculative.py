@@ -2,7 +2,8 @@
 
 Greedy acceptance: drafts are accepted while they equal the main model's argmax at the position before
 them; the accepted drafts plus the main model's next token (the bonus) are committed, so the ids equal
-plain greedy decoding. Full-attention KV caches are trimmed. Gated-DeltaNet state cannot be trimmed, so:
+plain greedy decoding. Steps without drafts (K=1) run one step ahead, greedy decoding's own loop, for as long
+as K=1 is the choice. Full-attention KV caches are trimmed. Gated-DeltaNet state cannot be trimmed, so:
 
 - ``direct``: during the verify each Gated-DeltaNet layer keeps its conv window and recurrent state after
   every position (its recurrence is sequential anyway; the adapter's ``StateCapture``, installed at build,
@@ -23,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..runtime.qwen3_next import attention_caches, forward_with_hidden, recurrent_caches, state_captures
 from ..run_settings import COMMIT_MODES
-from ..decode.ahead import confirm_step, guard_of, queue_step
+from ..decode.ahead import confirm_step, guard_of, queue_step, run_ahead
 from ..decode.greedy import prefill_chunked
 from .autok import KChooser
 
@@ -127,13 +128,27 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
     unfed: List[Tuple[int, mx.array]] = []  # (token, hidden) pairs of steps without drafts, not yet fed
     while produced < max_tokens:
         k = chooser.choose() if chooser else K
-        if k > 1 and unfed:  # the head drafts again: feed it the positions it missed (at most UNFED_KEPT)
+        if k == 1:  # no drafts for as long as the choice holds: greedy's steps, one ahead
+            for token, row, hidden, seconds in _steps_ahead(model, cache, x, min(
+                    max_tokens - produced, chooser.hold() if chooser else max_tokens), clock):
+                stats.steps += 1
+                stats.full_accepts += 1
+                stats.accept_hist.append(0)
+                stats.k_hist.append(1)
+                unfed = (unfed + [(token, hidden)])[-UNFED_KEPT:]
+                if chooser:
+                    chooser.record(1, seconds, 0)
+                yield token, row, False
+                produced += 1
+                x = token
+            continue
+        if unfed:  # the head drafts again: feed it the positions it missed (at most UNFED_KEPT)
             clock.lap("draft")
             _catch_up(drafter, unfed)
             clock.lap("catch_up")
             unfed = []
         step_start = time.perf_counter()  # the chooser weighs K's steady step, not the catch-up of a switch to it
-        drafts = drafter.propose(k - 1) if k > 1 else []
+        drafts = drafter.propose(k - 1)
         clock.lap("draft")
         snapshot = [list(c.cache) for c in recurrent_caches(cache)] if commit_mode == "replay" else None
         clock.lap("snapshot")
@@ -170,10 +185,7 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
             stats.replayed_tokens += a + 1
             clock.lap("replay")
         x = committed[-1]
-        if k > 1:
-            drafter.extend(committed, hidden[:, : a + 1])
-        else:
-            unfed = (unfed + [(x, hidden)])[-UNFED_KEPT:]
+        drafter.extend(committed, hidden[:, : a + 1])
         clock.lap("draft")
         if chooser:
             chooser.record(k, time.perf_counter() - step_start, a)
@@ -183,6 +195,24 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
 
     stats.tokens = min(produced, max_tokens)
     clock.lap("finalize")
+
+
+def _steps_ahead(model, cache, x: int, n: int, clock: _Clock) -> Iterator[Tuple[int, mx.array, mx.array, float]]:
+    """``n`` steps without drafts after token ``x``, each queued on the device before the one before it is read
+    back (``run_ahead``, greedy decoding's protocol, its miss checks included): per step, the token, the logits row
+    it was taken from, the hidden state at the position fed (the head's catch-up takes it) and the step's seconds
+    (the consumer's time between steps not counted)."""
+    def step(token: mx.array) -> tuple:
+        logits, hidden = forward_with_hidden(model, token.reshape(1, 1), cache)
+        return mx.argmax(logits[0, -1]), logits[0, -1], hidden
+
+    start = time.perf_counter()
+    logits, hidden = _verify(model, mx.array([[x]]), cache, [])  # the first step, checked, before any is queued
+    for token, row, hidden in run_ahead(model, step, (mx.argmax(logits[0, -1]), logits[0, -1], hidden), n):
+        token = int(token)
+        clock.lap("verify")
+        yield token, row, hidden, time.perf_counter() - start
+        start = time.perf_counter()
 
 
 def _catch_up(drafter, unfed: List[Tuple[int, mx.array]]) -> None:
