@@ -58,6 +58,15 @@ def test_a_verify_that_becomes_cheap_is_found_by_a_reprobe():
     assert chosen[CLIMB_AFTER - 1:CLIMB_AFTER + 2] == [1, 2, 1] and chooser.best() > 1 and chosen[-10:].count(chooser.best()) >= 9
 
 
+def test_the_first_step_after_the_prefill_is_not_weighed_as_k_1s_cost():
+    """The first decode step carries the prefill's transition (at a bounded pool it loads the first token's
+    experts; on this CPU it costs about 3 steady steps): counted as K=1's cost, it would make K=1 look dearer than
+    it is at the climb, and a K=2 that loses would look worth climbing past."""
+    chooser = KChooser(k_max=4)
+    chosen = _run(chooser, CLIMB_AFTER + 3, cost=lambda k, step: 4.0 if step == 0 else 1.0 * k, acceptance=0.0)
+    assert chosen == [1] * CLIMB_AFTER + [2, 1, 1] and chooser.cost[1] == 1.0
+
+
 def test_acceptance_is_counted_per_draft_position():
     chooser = KChooser(k_max=4)
     chooser.record(4, 1.0, 1)  # draft 1 accepted, draft 2 rejected, draft 3 never compared

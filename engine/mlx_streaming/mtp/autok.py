@@ -26,7 +26,7 @@ from collections import deque
 from typing import Deque, Dict, List, Optional
 
 #: Steps at K=1 before the climb probes K=2 (the first steps after a prefill, or after other work changed the
-#: pool, cost more than the steady ones).
+#: pool, cost more than the steady ones; the very first, which carries the prefill's transition, is not weighed).
 CLIMB_AFTER = 4
 #: A climb's K whose first steps read within this share of the best K's expected tokens per second is probed
 #: again, up to PROBE_MAX steps, before the climb stops below it (one step can be a switch's transient: the
@@ -36,7 +36,9 @@ PROBE_MAX = 4
 REPROBE_EVERY = 64
 REPROBE_MAX = 1024
 #: A K's cost is the mean of its last COST_WINDOW steps (of those since it last ran more than REPROBE_EVERY
-#: steps before: a reprobe's earlier measures are from another time).
+#: steps before: a reprobe's earlier measures are from another time). At a bounded pool a few steps in a hundred
+#: miss and cost two or three steady ones; the window is long enough that one of them weighs about what misses
+#: weigh over a run, not an eighth of the choice's cost right before a reprobe.
 COST_WINDOW = 8
 
 
@@ -104,8 +106,9 @@ class KChooser:
         """One step at ``k`` took ``seconds`` and accepted ``accepted`` of its ``k - 1`` drafts."""
         if self.step - self.last_step[k] > REPROBE_EVERY:
             self._recent[k].clear()
-        self._recent[k].append(seconds)
-        self.cost[k] = sum(self._recent[k]) / len(self._recent[k])
+        if self.step > 0:
+            self._recent[k].append(seconds)
+            self.cost[k] = sum(self._recent[k]) / len(self._recent[k])
         self.steps[k] += 1
         self.seconds[k] += seconds
         self.committed[k] += accepted + 1
