@@ -117,12 +117,17 @@ def test_bench_k_report_compares_auto_with_every_fixed_k(model_dir):
     fixed = {k: v["median"] for k, v in report["tok_s"].items() if k != "auto"}
     assert str(report["best_fixed"]) == max(fixed, key=fixed.get)
     assert report["auto_over_best"] == report["tok_s"]["auto"]["median"] / max(fixed.values())
+    cpu = report["cpu_ms_per_token"]  # the same verdict in the process's CPU time per token
+    assert set(cpu) == set(report["tok_s"]) and all(ms > 0 for ms in cpu.values())
+    best_cpu = min((k for k in cpu if k != "auto"), key=cpu.get)
+    assert report["best_fixed_by_cpu"] == best_cpu and report["auto_over_best_by_cpu"] == cpu[best_cpu] / cpu["auto"]
     # 8 tokens: the chooser's first CLIMB_AFTER steps at K=1, then K=2 once (no more than 7 steps in all)
     assert report["auto_k_steps_per_round"] == [report["auto_k_steps"]] and report["auto_k_steps"]["1"] >= 4
     assert len(report["tok_s_per_round"]["auto"]) == 1
     (catch_up_ms,) = report["auto_catch_up_ms_per_round"]  # the K=2 probe fed the head the positions before it
     assert catch_up_ms > 0
-    assert "auto / best fixed" in bench.auto_table(report, "K") and "catch-ups" in bench.auto_table(report, "K")
+    table = bench.auto_table(report, "K")
+    assert "auto / best fixed" in table and "catch-ups" in table and "by CPU time" in table and "CPU ms/token" in table
 
 
 def test_bench_prefetch_auto_report_compares_auto_with_on_and_off(model_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 
@@ -10,7 +11,7 @@ from ...run_settings import RunSettings
 from ...decode.greedy import greedy_generate
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
-from .common import _greedy_runs, _interleaved, _say, _spread, _versus_best, timed_greedy
+from .common import _costed, _greedy_runs, _interleaved, _say, _spread, _versus_best, timed_greedy
 from .io_report import _demand_gbps, raw_read_probe
 
 
@@ -20,7 +21,9 @@ K_REPORT = (1, 2, 3, 4, "auto")
 
 def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """MTP speculation at every fixed K and at "auto", interleaved (``_interleaved``): median decode tok/s per
-    K, auto over the best fixed K, the K auto chose per step, and every run's ids against greedy's."""
+    K, auto over the best fixed K, the same by the process's CPU ms per decoded token (on MLX's CPU backend the
+    verdict a neighbour on a shared host cannot move; on a GPU the host's share only), the K auto chose per step,
+    and every run's ids against greedy's."""
     from ...model import build_streaming_model
 
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
@@ -28,18 +31,22 @@ def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict
         greedy = greedy_generate(sm.model, prompt_ids, run.max_tokens, config.prefill_chunk)
 
         def arm(k):
-            def once(n):
+            def once(n, on_decode):
                 ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, run.commit_mode,
-                                          config.prefill_chunk)
-                return stats["decode_tok_s"], ids, (stats["k_hist"], stats["time_s"]["catch_up"])
-            return once
+                                          config.prefill_chunk, on_decode)
+                return stats["decode_tok_s"], ids, stats["k_hist"], stats["time_s"]["catch_up"]
+            return _costed(once, None)
 
         rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, run)
-        steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, (chosen, _) in runs["auto"]]
+        cpu_ms = {str(k): statistics.median(cpu for _, (cpu, *_) in runs[k]) for k in K_REPORT}
+        best_cpu = min((k for k in cpu_ms if k != "auto"), key=cpu_ms.get)
+        steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, (_, _, chosen, _) in runs["auto"]]
         return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": run.max_tokens,
                 "repeat": run.repeat, **_versus_best(rates, "auto"), "tok_s_per_round": rates,
+                "cpu_ms_per_token": cpu_ms, "best_fixed_by_cpu": best_cpu,
+                "auto_over_best_by_cpu": cpu_ms[best_cpu] / cpu_ms["auto"],
                 "auto_k_steps": steps[-1], "auto_k_steps_per_round": steps,
-                "auto_catch_up_ms_per_round": [1000 * s for _, (_, s) in runs["auto"]],
+                "auto_catch_up_ms_per_round": [1000 * s for _, (*_, s) in runs["auto"]],
                 "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
 
 
@@ -75,13 +82,17 @@ def auto_table(report: dict, what: str) -> str:
     from tabulate import tabulate
 
     best = report["tok_s"][str(report["best_fixed"])]["median"]
-    body = [[name, v["median"], v["min"], v["max"], v["median"] / best] for name, v in report["tok_s"].items()]
-    detail = (f"auto's steps by K in the last round: {report['auto_k_steps']}, its head's catch-ups "
+    cpu = report.get("cpu_ms_per_token", {})
+    body = [[name, v["median"], v["min"], v["max"], v["median"] / best, *([cpu[name]] if cpu else [])]
+            for name, v in report["tok_s"].items()]
+    detail = (f"by CPU time, auto / best fixed ({report['best_fixed_by_cpu']}): {report['auto_over_best_by_cpu']:.3f}; "
+              f"auto's steps by K in the last round: {report['auto_k_steps']}, its head's catch-ups "
               f"{report['auto_catch_up_ms_per_round'][-1]:.1f} ms; every run's ids equal greedy's: "
               f"{report['ids_equal_greedy']}" if what == "K" else
               f"auto's decisions: {report['auto_decisions']}, its last probes (s per token): "
               f"{report['auto_measured_s_per_token']}; ids identical across arms: {report['ids_identical']}")
-    return (tabulate(body, headers=[what, "tok/s (median)", "min", "max", f"x best fixed {what}"], floatfmt=".3f")
+    headers = [what, "tok/s (median)", "min", "max", f"x best fixed {what}", *(["CPU ms/token (median)"] if cpu else [])]
+    return (tabulate(body, headers=headers, floatfmt=".3f")
             + f"\npool {report['pool_slots']} slots, {report['max_tokens']} tokens x {report['repeat']} rounds, arms "
               f"interleaved. auto / best fixed ({report['best_fixed']}): {report['auto_over_best']:.3f}; {detail}")
 

@@ -37,6 +37,25 @@ def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int,
     return (max_tokens - 1) / (time.perf_counter() - start[0]), ids
 
 
+def _costed(once: Callable, store) -> Callable:
+    """``once(n, on_decode)`` (decodes ``n`` tokens, calls ``on_decode()`` once the prompt is prefilled, returns
+    (tok/s, ids, *more)) as an ``_interleaved`` arm whose extra is (CPU ms per decoded token, the store's counters
+    of the decode ({} without a store), *more). CPU time and counters start at ``on_decode``: the process's CPU
+    time, which a neighbour on a shared host moves far less than wall time."""
+    def arm(n):
+        started = []
+
+        def on_decode():
+            if store is not None:
+                store.reset_stats()
+            started.append(time.process_time())
+
+        rate, ids, *more = once(n, on_decode)
+        cpu_ms = 1000 * (time.process_time() - started[-1]) / (len(ids) - 1)
+        return rate, ids, (cpu_ms, store.stats() if store is not None else {}, *more)
+    return arm
+
+
 def _spread(rates: List[float]) -> dict:
     return {"median": statistics.median(rates), "runs": rates, "min": min(rates), "max": max(rates)}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -13,7 +12,7 @@ from ...config import StreamingConfig
 from ...run_settings import RunSettings
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
-from .common import _interleaved, _refuse_unless_inmemory_fits, _spread, timed_greedy
+from .common import _costed, _interleaved, _refuse_unless_inmemory_fits, _spread, timed_greedy
 from ...checkpoint import MTP_FILE
 
 
@@ -68,24 +67,6 @@ def _speculative_path(sm, prompt_ids, config: StreamingConfig, run: RunSettings)
                                   run.commit_mode, config.prefill_chunk, on_decode)
         return stats["decode_tok_s"], ids
     return once
-
-
-def _costed(once: Callable, store) -> Callable:
-    """``once(n, on_decode)`` (decodes ``n`` tokens, calls ``on_decode()`` once the prompt is prefilled, returns
-    (tok/s, ids)) as an ``_interleaved`` arm whose extra is (CPU ms per decoded token, the store's counters of
-    the decode; {} without a store). CPU time and counters start at ``on_decode``."""
-    def arm(n):
-        started = []
-
-        def on_decode():
-            if store is not None:
-                store.reset_stats()
-            started.append(time.process_time())
-
-        rate, ids = once(n, on_decode)
-        cpu_ms = 1000 * (time.process_time() - started[-1]) / (len(ids) - 1)
-        return rate, ids, (cpu_ms, store.stats() if store is not None else {})
-    return arm
 
 
 def _overhead_row(path: str, miss_check: Optional[str], rates, cpu_ms: float, stats: dict, tokens: int,
