@@ -8,7 +8,7 @@ output hidden state back, which appends provisional entries that the next ``exte
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
@@ -24,7 +24,7 @@ class MTPDrafter:
         self._provisional = 0
         self._last = None
 
-    def _step(self, tokens: Sequence[int], hidden: mx.array) -> mx.array:
+    def _step(self, tokens: Union[Sequence[int], mx.array], hidden: mx.array) -> mx.array:
         embeddings = embed(self.model, tokens)
         mask = create_attention_mask(embeddings, self.cache)
         return self.mtp(embeddings, hidden, mask=mask, cache=self.cache)
@@ -40,14 +40,16 @@ class MTPDrafter:
         """Compute what ``extend`` queued (its cache entries and last output) now, not at the next draft."""
         mx.eval(self._last)
 
-    def propose(self, n: int) -> List[int]:
-        """Draft ``n`` tokens after the last extended position."""
+    def propose(self, n: int) -> mx.array:
+        """Draft ``n`` tokens after the last extended position: an (n,) array, not evaluated. Each draft feeds the
+        next on the device, so a step's drafts and its verify are queued without waiting for the host between
+        them (where the head's forwards need no host sync themselves: at a complete pool); the step reads the
+        drafts back with the verify's output."""
         h = self._last
         drafts = []
         for i in range(n):
-            token = int(mx.argmax(logits_from_hidden(self.model, h)[0, -1]))
-            drafts.append(token)
+            drafts.append(mx.argmax(logits_from_hidden(self.model, h)[0, -1]))
             if i + 1 < n:
-                h = self._step([token], h)
+                h = self._step(drafts[-1].reshape(1, 1), h)
                 self._provisional += 1
-        return drafts
+        return mx.stack(drafts)

@@ -148,13 +148,15 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
             clock.lap("catch_up")
             unfed = []
         step_start = time.perf_counter()  # the chooser weighs K's steady step, not the catch-up of a switch to it
-        drafts = drafter.propose(k - 1)
+        proposed = drafter.propose(k - 1)
         clock.lap("draft")
         snapshot = [list(c.cache) for c in recurrent_caches(cache)] if commit_mode == "replay" else None
         clock.lap("snapshot")
-        logits, hidden = _verify(model, mx.array([[x] + drafts]), cache, captures)
+        logits, hidden = _verify(model, mx.concatenate([mx.array([x], proposed.dtype), proposed])[None], cache,
+                                 captures)
         clock.lap("verify")
         targets = mx.argmax(logits[0], axis=-1).tolist()
+        drafts = proposed.tolist()  # computed with the verify, which took them
         clock.lap("sync")
         a = 0
         while a < k - 1 and drafts[a] == targets[a]:

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,8 +40,9 @@ def logits_from_hidden(model, hidden: mx.array) -> mx.array:
     return model.lm_head(hidden)
 
 
-def embed(model, tokens: Sequence[int]) -> mx.array:
-    return model.model.embed_tokens(mx.array([list(tokens)]))
+def embed(model, tokens: Union[Sequence[int], mx.array]) -> mx.array:
+    """The embeddings of ``tokens``: ids on the host, or a (1, n) array of them (a draft not yet read back)."""
+    return model.model.embed_tokens(tokens if isinstance(tokens, mx.array) else mx.array([list(tokens)]))
 
 
 def state_captures(model) -> List[StateCapture]:
