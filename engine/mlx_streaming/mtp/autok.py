@@ -36,9 +36,7 @@ PROBE_MAX = 4
 REPROBE_EVERY = 64
 REPROBE_MAX = 1024
 #: A K's cost is the mean of its last COST_WINDOW steps (of those since it last ran more than REPROBE_EVERY
-#: steps before: a reprobe's earlier measures are from another time). At a bounded pool a few steps in a hundred
-#: miss and cost two or three steady ones; the window is long enough that one of them weighs about what misses
-#: weigh over a run, not an eighth of the choice's cost right before a reprobe.
+#: steps before: a reprobe's earlier measures are from another time).
 COST_WINDOW = 8
 
 
