@@ -124,3 +124,52 @@ def test_a_gpu_with_memory_of_its_own_scatters_small_experts_and_writes_large_on
     assert pool.ExpertPool(index, 4, layers=index.layers[:1]).writes == "scatter"
     monkeypatch.setattr(pool, "SCATTER_BELOW", index.expert_bytes)  # experts as large as the bound: slot writes
     assert pool.ExpertPool(index, 4, layers=index.layers[:1]).writes == "slots"
+
+
+def test_staged_writes_take_a_staging_row_again_only_once_its_copies_have_run(model_dir, monkeypatch):
+    """More experts placed at once than the staging arrays have rows: every slot still holds its own expert's
+    bytes (a row written again before the device ran the copy from it would leave a later expert's bytes in an
+    earlier slot)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_streaming.io.reader import ExpertReader
+    from mlx_streaming.model import open_checkpoint
+    from mlx_streaming.residency import pool
+
+    monkeypatch.setattr(pool, "STAGING_ROWS", 2)
+    index = open_checkpoint(model_dir, StreamingConfig()).index
+    layer, experts = index.layers[0], list(range(5))
+    reader = ExpertReader("buffered")
+    try:
+        staged = {e: reader.read([(s.path, s.offset, s.nbytes) for s in index.slices(layer, e)]) for e in experts}
+    finally:
+        reader.close()
+    expert_pool = pool.ExpertPool(index, 8, layers=[layer])
+    expert_pool.use_writes("staged")
+    placed, _, writes = expert_pool.place(layer, experts, staged, set())
+    assert writes == len(experts) * len(index.slices(layer, 0))
+    for expert, slot in placed:
+        for s, buf in zip(index.slices(layer, expert), staged[expert]):
+            held = pool.numpy_exportable(expert_pool.arrays[layer][s.tensor][slot])
+            assert np.array(held).reshape(-1).view(np.uint8).tobytes() == buf.tobytes(), (expert, s.tensor)
+
+
+def test_a_gpu_with_memory_of_its_own_stages_large_experts_where_the_driver_takes_the_advice(model_dir, monkeypatch):
+    import mlx.core as mx
+
+    from mlx_streaming.model import open_checkpoint
+    from mlx_streaming.residency import pool
+
+    index = open_checkpoint(model_dir, StreamingConfig()).index
+    monkeypatch.setattr(pool, "computes_in_host_memory", lambda: False)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(pool, "SCATTER_BELOW", index.expert_bytes)
+    advised = []
+    monkeypatch.setattr(pool, "advise_read_in_place", lambda view: advised.append(view.nbytes) or True)
+    staged = pool.ExpertPool(index, 4, layers=index.layers[:1])
+    assert staged.writes == "staged" and set(staged.staging) == set(index.tensor_specs)
+    assert sorted(advised) == sorted(rows.array.nbytes for rows in staged.staging.values())  # every staging array
+    monkeypatch.setattr(pool, "advise_read_in_place", lambda view: False)  # no CUDA driver, or advice refused
+    unadvised = pool.ExpertPool(index, 4, layers=index.layers[:1])
+    assert unadvised.writes == "slots" and not unadvised.staging

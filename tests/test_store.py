@@ -116,10 +116,12 @@ def test_pin_hot_pins_the_calibration_runs_hottest_experts(model_dir):
 
 
 def test_every_way_of_writing_a_load_leaves_the_same_pool(model_dir, prompt_ids):
-    """Host writes (through a view of the pool's memory: this CPU's default), the GPU's scatters (one per expert
-    tensor for a load's experts) and slot writes (one per tensor per expert) leave the same pool and decode the
-    same ids; each is forced here on this backend. Host and slot writes write each placed expert's tensors one
-    by one; the scatters each tensor once per load."""
+    """Host writes (through a view of the pool's memory: this CPU's default), staged writes (through a view of
+    staging rows, each copied into its slot), the GPU's scatters (one per expert tensor for a load's experts) and
+    slot writes (one per tensor per expert) leave the same pool and decode the same ids; each is forced here on this
+    backend. Host, staged and slot writes write each placed expert's tensors one by one; the scatters each tensor
+    once per load. The staging rows are taken again many times over (more tensors are placed than a staging array
+    has rows), each only once the copies from it have run: the byte verifier reads every placed slot back."""
     pools, ids, stats = {}, {}, {}
     for writes in WRITES:
         with build_streaming_model(model_dir, StreamingConfig(pool_slots=12, verify=True)) as sm:
@@ -133,12 +135,12 @@ def test_every_way_of_writing_a_load_leaves_the_same_pool(model_dir, prompt_ids)
             pools[writes] = (sm.store.pool.slots[layer].copy(),
                              {name: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
                               for name, a in sm.store.pool.arrays[layer].items()})
-    assert ids["host"] == ids["scatter"] == ids["slots"]
-    for writes in ("host", "slots"):
+    assert ids["host"] == ids["staged"] == ids["scatter"] == ids["slots"]
+    for writes in ("host", "staged", "slots"):
         assert stats[writes]["pool_writes"] == tensors * stats[writes]["misses"]
     # at least one load per MoE layer call that missed, and fewer writes than one per tensor per expert
     assert tensors * stats["scatter"]["fallback"] <= stats["scatter"]["pool_writes"] < stats["slots"]["pool_writes"]
-    for writes in ("scatter", "slots"):
+    for writes in ("staged", "scatter", "slots"):
         assert (pools["host"][0] == pools[writes][0]).all()
         assert all((pools["host"][1][n] == pools[writes][1][n]).all() for n in pools["host"][1])
 
@@ -165,6 +167,7 @@ class _Reported:
     ("host", "tensor", "all", "once"),  # everything had arrived: one batch
     ("host", None, "none", "once"),  # the tiny model's experts are far below the batch bytes: one batch
     ("slots", "tensor", "none", "each tensor"),
+    ("staged", "tensor", "none", "each tensor"),
     ("scatter", "tensor", "none", "once"),  # one scatter per tensor for the whole load: every byte first
 ])
 def test_a_load_writes_the_tensors_that_have_arrived_while_the_rest_are_read(model_dir, monkeypatch, writes, batch,
