@@ -176,7 +176,8 @@ class ExpertPool:
 
     def write_tensor(self, layer: int, slot: int, tensor, buf: np.ndarray) -> None:
         """One expert tensor's bytes (``tensor``: its ``index.slices`` entry) into ``slot``: a host copy through the
-        pool's view (``host``), else a host array written into the slot."""
+        pool's view (``host``), a staging row copied into the slot (``staged``), else a host array written into
+        the slot."""
         if self.writes == "host":
             self.host_views[layer][tensor.tensor][slot] = buf
         elif self.writes == "staged":
