@@ -82,6 +82,7 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
     assert placement["place_over_one_array"] == pytest.approx(placement["place_gbps"] / placement["one_array_gbps"])
     assert "of the ceiling" in io_table(report) and "a plain copy of the same bytes" in io_table(report)
+    assert placement["writes"] == "host" and "into a pool (host writes)" in io_table(report)  # this CPU's way
     assert f"placement {placement['place_over_copy']:.2f} and {placement['place_over_one_array']:.2f} of them" in io_table(report)
     # the engine read with the threads it was given (no cell of the grid runs 3): the table names the best depth
     best = report["ceiling"]["best"]["threads"]
@@ -106,7 +107,7 @@ def test_placement_against_a_copy_that_reaches_a_device_with_memory_of_its_own(m
     index = open_checkpoint(model_dir, StreamingConfig()).index
     assert pool.ExpertPool(index, 4, layers=index.layers[:1]).writes == "slots"
     placement = placement_probe(index, "buffered", experts=8)
-    assert placement["bytes"] == 8 * index.expert_bytes and placement["place_gbps"] > 0
+    assert placement["writes"] == "slots" and placement["bytes"] == 8 * index.expert_bytes and placement["place_gbps"] > 0
     assert placement["copy_gbps"] > 0 and placement["one_array_gbps"] > 0
     assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
 

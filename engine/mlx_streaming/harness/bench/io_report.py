@@ -58,8 +58,11 @@ def placement_probe(index, io_mode: str, experts: int = 32, seed: int = 0) -> di
         reader.close()
     nbytes = len(picks) * index.expert_bytes
 
+    writes = []
+
     def place() -> float:
         pool = ExpertPool(index, len(picks), layers=[layer])
+        writes.append(pool.writes)
         start = time.perf_counter()
         pool.place(layer, picks, staged, set(picks))
         mx.eval(list(pool.arrays[layer].values()))
@@ -77,7 +80,7 @@ def placement_probe(index, io_mode: str, experts: int = 32, seed: int = 0) -> di
     place_s = min(place() for _ in range(3))
     each_s = min(copy(lambda: [mx.array(buf) for buf in buffers]) for _ in range(3))
     whole_s = min(copy(lambda: [mx.array(np.concatenate(buffers))]) for _ in range(3))
-    return {"experts": len(picks), "bytes": nbytes, "place_gbps": nbytes / place_s / 1e9,
+    return {"experts": len(picks), "bytes": nbytes, "writes": writes[-1], "place_gbps": nbytes / place_s / 1e9,
             "copy_gbps": nbytes / each_s / 1e9, "place_over_copy": each_s / place_s,
             "one_array_gbps": nbytes / whole_s / 1e9, "place_over_one_array": whole_s / place_s}
 
@@ -141,7 +144,8 @@ def io_table(report: dict) -> str:
 
 
 def _placement_line(p: dict) -> str:
-    return (f"Placement of {p['experts']} experts into a pool: {p['place_gbps']:.3f} GB/s; a plain copy of the same "
+    return (f"Placement of {p['experts']} experts into a pool ({p['writes']} writes): {p['place_gbps']:.3f} GB/s; a "
+            f"plain copy of the same "
             f"bytes to the device: {p['copy_gbps']:.3f} GB/s as they arrive (an array per buffer), "
             f"{p['one_array_gbps']:.3f} GB/s as one array; placement {p['place_over_copy']:.2f} and "
             f"{p['place_over_one_array']:.2f} of them")
