@@ -21,10 +21,10 @@ FIELDS = {
     "read_s": "seconds demand reads took, from their issue to their last byte (on the reader's threads, while the "
               "main thread waits for them or places the experts that arrived first)",
     "read_wait_s": "of the demand reads' seconds, those the main thread spent waiting for their bytes",
-    "pool_writes": "writes into the pool's arrays: a host copy or slot write of one placed expert's tensor, or one "
-                   "scatter of a tensor of all the experts one load places",
-    "place_s": "seconds placing bytes into the pool (host writes, or host arrays and queued array writes, which run "
-               "with the layer that computes over them)",
+    "pool_writes": "writes into the pool's arrays: a host copy, a staging row's copy or a slot write of one placed "
+                   "expert's tensor, or one scatter of a tensor of all the experts one load places",
+    "place_s": "seconds placing bytes into the pool (host writes, or host arrays or staging rows and queued array "
+               "writes, which run with the layer that computes over them)",
     "fastpath": "MoE layer calls whose routed experts were all resident",
     "fallback": "MoE layer calls with at least one routed expert not resident",
     "grouped": "MoE layer calls that routed to more experts than fit and ran in groups",
