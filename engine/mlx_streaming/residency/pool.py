@@ -40,10 +40,11 @@ _NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F16": np.float16, "F32": np.
 _MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 #: The ways a load's bytes can be written into the pool arrays (the module's docstring).
 WRITES = ("host", "staged", "scatter", "slots")
-#: On a GPU with memory of its own, experts smaller than this are written by scatter, larger ones by slot writes.
-#: An H100 (MLX 0.32.4 CUDA) placed 32 experts at 0.37-0.46 GB/s by scatter against 0.15 by slot writes with
-#: 15 KB experts (MLX's cost per operation, about 11 us there, dominates), and at 1.04-1.07 against 1.58 GB/s
-#: with 1.97 MB experts (the slot writes' copies move bytes faster): the two cross near 340 KB per expert.
+#: On a GPU with memory of its own, experts smaller than this are written by scatter, larger ones by a write per
+#: tensor (``staged``, else ``slots``). An H100 (MLX 0.32.4 CUDA) placed 32 experts at 0.37-0.46 GB/s by scatter
+#: against 0.15 by slot writes with 15 KB experts (MLX's cost per operation, about 11 us there, dominates), and at
+#: 1.04-1.07 against 1.58 GB/s with 1.97 MB experts (the slot writes' copies move bytes faster): the two cross near
+#: 340 KB per expert. Staged writes were measured at real width only.
 SCATTER_BELOW = 256 * 1024
 #: Byte alignment of each tensor's part in a batched load's host array.
 _BLOCK_ALIGN = 16
