@@ -147,3 +147,19 @@ def test_steps_without_drafts_run_one_ahead_for_as_long_as_k_1_holds(mtp_model, 
     stretches.clear()
     out, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), ids, 12, "auto")
     assert out == oracle.ids(1, 12) and stretches[0] == CLIMB_AFTER and stats["k_hist"][CLIMB_AFTER] == 2
+
+
+def test_auto_feeds_the_head_only_the_prompts_last_positions(mtp_model, oracle, prompt_ids, monkeypatch):
+    """With K "auto" the head's first feed is the prompt's last PROMPT_FED_AUTO positions, so auto's first probe
+    catches up a bounded number of positions whatever the prompt's length; with a fixed K the whole prompt. The ids
+    are greedy's either way."""
+    monkeypatch.setattr(speculative, "PROMPT_FED_AUTO", 3)
+    sm, ids = mtp_model, prompt_ids[1]
+    assert len(ids) > 3
+    greedy = oracle.ids(1, 12)
+    for k, fed in (("auto", 3), (3, len(ids))):
+        drafter = MTPDrafter(sm.mtp, sm.model)
+        feeds, real_extend = [], drafter.extend
+        drafter.extend = lambda tokens, hiddens: feeds.append((len(tokens), hiddens.shape[1])) or real_extend(tokens, hiddens)
+        out, _ = mtp_generate(sm.model, drafter, ids, 12, k)
+        assert out == greedy and feeds[0] == (fed, fed), (k, feeds[:2])
