@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .runtime import qwen3_next
+from .runtime.cuda_attention import avoid_graph_per_shape
 from .runtime.patch import defer_miss_checks, install, install_state_capture, wrap_layers
 from .runtime.sites import experts_per_token, expert_sites
 from .residency.stats import ResidencyStats
@@ -201,6 +202,7 @@ def build_streaming_model(path, config: Optional[StreamingConfig] = None, reader
     defer_miss_checks(ckpt.model, main_sites, store)
     if ckpt.head is not None:
         install_state_capture(ckpt.model)
+        avoid_graph_per_shape()  # before the first attention: a verify of K positions meets new shapes each step
     sm = StreamingModel(ckpt.model, load_tokenizer(path), store, config, path, model_config, plan, ckpt.head, hooks)
     if config.preload:
         store.fill()
