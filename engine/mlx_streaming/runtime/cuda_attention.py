@@ -30,7 +30,7 @@ def avoid_graph_per_shape() -> bool:
     if not mx.cuda.is_available() or CUDNN_ATTENTION in os.environ:
         return False
     os.environ[CUDNN_ATTENTION] = "0"
-    print(f"mlx-streaming: {CUDNN_ATTENTION}=0 for this process: MLX's CUDA backend builds a cuDNN graph (about "
-          f"50 ms) for each new shape of a speculative verify's attention; set {CUDNN_ATTENTION} before the "
-          f"model is built to choose otherwise", file=sys.stderr, flush=True)
+    print(f"mlx-streaming: {CUDNN_ATTENTION}=0 (MLX reads it at the process's first attention): its CUDA backend "
+          f"builds a cuDNN graph (about 50 ms) for each new shape of a speculative verify's attention; set "
+          f"{CUDNN_ATTENTION} yourself to choose otherwise", file=sys.stderr, flush=True)
     return True
