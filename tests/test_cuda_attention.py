@@ -13,9 +13,15 @@ from mlx_streaming.model import build_streaming_model
 from mlx_streaming.runtime.cuda_attention import CUDNN_ATTENTION, avoid_graph_per_shape
 
 
+def _unset(monkeypatch):
+    """The switch unset for the test, and put back as it was after it (the engine's own setting included)."""
+    monkeypatch.setenv(CUDNN_ATTENTION, "")
+    monkeypatch.delenv(CUDNN_ATTENTION)
+
+
 @pytest.fixture
 def on_cuda(monkeypatch):
-    monkeypatch.delenv(CUDNN_ATTENTION, raising=False)
+    _unset(monkeypatch)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
 
 
@@ -32,7 +38,7 @@ def test_a_users_own_value_is_kept(on_cuda, monkeypatch, capsys):
 
 
 def test_off_cuda_nothing_changes(monkeypatch):
-    monkeypatch.delenv(CUDNN_ATTENTION, raising=False)
+    _unset(monkeypatch)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
     assert not avoid_graph_per_shape() and CUDNN_ATTENTION not in os.environ
 
@@ -42,3 +48,4 @@ def test_a_model_is_built_with_the_switch_set_only_where_it_has_an_mtp_head(on_c
     with build_streaming_model(default_model(), StreamingConfig(mtp=mtp)) as sm:
         assert (sm.mtp is not None) == mtp
         assert os.environ.get(CUDNN_ATTENTION) == ("0" if mtp else None)
+
