@@ -48,4 +48,3 @@ def test_a_model_is_built_with_the_switch_set_only_where_it_has_an_mtp_head(on_c
     with build_streaming_model(default_model(), StreamingConfig(mtp=mtp)) as sm:
         assert (sm.mtp is not None) == mtp
         assert os.environ.get(CUDNN_ATTENTION) == ("0" if mtp else None)
-
