@@ -1,13 +1,17 @@
 """The deferred miss check: one host sync per forward when the routed experts are resident, the same ids and
 the same counters as checking at every MoE layer, and a correct rerun when an expert was missing."""
 
+import collections
+import io
 import json
+import re
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_streaming.config import StreamingConfig
+from mlx_streaming.decode.ahead import guard_of
 from mlx_streaming.decode.greedy import greedy_generate, greedy_steps
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.mtp.drafter import MTPDrafter
@@ -154,3 +158,44 @@ def test_speculation_on_a_preloaded_pool_equals_greedy(model_dir, reference_mode
     assert ids == greedy_generate(reference_model, prompt, TOKENS) and stats["steps"] > 0
     assert counted["misses"] == counted["deferred_retries"] == 0 and counted["hits"] > 0
     assert counted["host_syncs"] == 1  # the bulk hit count at stats(): no forward waited for a check
+
+
+def _graph_ops(*arrays) -> collections.Counter:
+    """The operations of the graph that computes ``arrays``, by primitive (MLX's DOT export of it)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return collections.Counter(re.findall(r'label\s*=\s*"(\w+)', dot.getvalue()))
+
+
+def _decode_step_ops(model, prompt) -> collections.Counter:
+    """The operations of one decode step after ``prompt``, as a one-step-ahead loop queues it (with its check,
+    where the model streams)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt]), cache=cache))
+    guard = guard_of(model)
+    if guard is None:
+        return _graph_ops(model(mx.array([[prompt[-1]]]), cache=cache))
+    with guard.queueing() as checks:
+        out = model(mx.array([[prompt[-1]]]), cache=cache)
+    assert len(checks) == 1, "the step was not deferred"
+    try:
+        return _graph_ops(out, checks[0].flat)
+    finally:
+        guard.drop_queued()
+
+
+def test_a_hit_adds_one_slot_gather_per_moe_layer_and_nothing_else(model_dir, reference_model, streaming_model,
+                                                                   prompt_ids):
+    """What the host builds and submits for a step whose experts are resident at a bounded pool: the in-memory
+    step's operations, one gather of slots per MoE layer, and the routes' concatenation for the check. A GPU's
+    host launches every operation one by one (there a decode of the default model is bound by the host), so an
+    operation more is a cost more; slots in a dtype other than the router's cost a cast per expert matmul."""
+    prompt = prompt_ids[1]
+    experts = streaming_model.store.index.num_experts
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=experts - 1)) as sm:
+        greedy_generate(sm.model, prompt, 4)  # the step's experts resident, and the forward before it a hit
+        streaming = _decode_step_ops(sm.model, prompt)
+        moe_layers = len(sm.store.index.layers)
+    inmemory = _decode_step_ops(reference_model, prompt)
+    assert streaming - inmemory == collections.Counter({"GatherAxis": moe_layers, "Concatenate": 1})
+    assert set(inmemory - streaming) <= {"AsType"}  # at most fewer casts, where a router's ids come in another dtype

@@ -48,6 +48,10 @@ WRITES = ("host", "staged", "scatter", "slots")
 SCATTER_BELOW = 256 * 1024
 #: Byte alignment of each tensor's part in a batched load's host array.
 _BLOCK_ALIGN = 16
+#: Slot ids in the dtype of the router's expert ids (``argpartition`` gives uint32): given int32 indices,
+#: ``gather_qmm`` casts them, one more array operation per expert tensor per MoE layer call (24 per decode step of
+#: the default model, which a GPU's host submits one by one).
+SLOT_DTYPE = np.uint32
 #: Rows of each expert tensor's staging array (``staged`` writes): a load of more experts waits for the device
 #: before it reuses a row. Host memory of STAGING_ROWS experts (57 MB of the real geometry's), where the slot
 #: writes' host arrays made per buffer took as much of the allowance for temporaries.
@@ -93,7 +97,8 @@ class ExpertPool:
         #: both looks up and counts.
         self._table = self.book.table
         self.slots = {layer: self._table[row] for layer, row in self.book.row.items()}
-        self._device: Dict[int, Optional[mx.array]] = dict.fromkeys(layers)
+        #: Per layer, the device's copy of its slot table, per number of dimensions of the routes it serves.
+        self._device: Dict[int, Dict[int, mx.array]] = {layer: {} for layer in layers}
         #: Every expert of every layer resident in a pool with a slot for each: then no forward can miss.
         self.complete = False
         #: Per layer, per expert tensor, a NumPy view of the pool array's memory, one row of bytes per slot
@@ -114,12 +119,15 @@ class ExpertPool:
 
     def device_slots(self, layer: int, indices: mx.array) -> mx.array:
         """Slots for routed ``indices`` from the device-side table, with no host sync (non-resident experts
-        point at slot 0: the caller checks residency later); ``indices`` themselves with identity slots."""
+        point at slot 0: the caller checks residency later); ``indices`` themselves with identity slots. The table
+        is shaped to take along the routes' last axis: one gather, where indexing would add a squeeze."""
         if self.identity:
             return indices
-        if self._device[layer] is None:
-            self._device[layer] = mx.array(np.maximum(self.slots[layer], 0))
-        return self._device[layer][indices]
+        tables = self._device[layer]
+        if indices.ndim not in tables:
+            shape = (1,) * (indices.ndim - 1) + (-1,)
+            tables[indices.ndim] = mx.array(np.maximum(self.slots[layer], 0).astype(SLOT_DTYPE).reshape(shape))
+        return mx.take_along_axis(tables[indices.ndim], indices, axis=-1)
 
     def keys(self, routes: List[tuple], hosted: np.ndarray, offsets: Optional[List[int]] = None) -> np.ndarray:
         """One key per routed expert of ``routes`` ((layer, indices) pairs; ``hosted``: their expert ids,
@@ -171,7 +179,7 @@ class ExpertPool:
         (``write_tensor``); an expert whose bytes do not all arrive is given back (``release``)."""
         placed = self.book.place(layer, experts, protected)
         evictions = sum(evicted is not None for _, _, evicted in placed)
-        self._device[layer] = None
+        self._device[layer].clear()
         self.complete = self.identity and bool((self._table >= 0).all())
         return [(expert, slot) for expert, slot, _ in placed], evictions
 
@@ -189,7 +197,7 @@ class ExpertPool:
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """``experts``, assigned slots whose bytes did not all arrive, are not resident after all."""
         self.book.release(layer, experts)
-        self._device[layer] = None
+        self._device[layer].clear()
         self.complete = False
 
     def _choose_writes(self) -> str:

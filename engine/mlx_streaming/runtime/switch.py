@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..residency.pool import SLOT_DTYPE
 from ..residency.store import ExpertStore
 
 
@@ -32,7 +33,7 @@ class StreamingSwitch(nn.Module):
         self.pool_mlp = switch
         self.layer = layer
         self._store = store
-        self._slot_of = np.zeros(store.index.num_experts, dtype=np.int32)
+        self._slot_of = np.zeros(store.index.num_experts, dtype=SLOT_DTYPE)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         guard, layer = self._store.guard, self.layer
