@@ -9,8 +9,7 @@ same tensors, dtypes and shapes, because the pool has one layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 from ..errors import ConfigMismatchError, MissingTensorError
 from .safetensors import TensorInfo
@@ -18,9 +17,9 @@ from .safetensors import TensorInfo
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
-@dataclass(frozen=True)
-class ExpertSlice:
-    """One tensor of one expert: ``nbytes`` at ``offset`` of ``path``; ``shape`` without the expert axis."""
+class ExpertSlice(NamedTuple):
+    """One tensor of one expert: ``nbytes`` at ``offset`` of ``path``; ``shape`` without the expert axis. A named
+    tuple: a load makes one per tensor of every expert it reads, on the miss path's critical path."""
 
     tensor: str  # e.g. "gate_proj.scales"
     path: object

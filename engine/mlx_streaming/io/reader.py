@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -32,19 +32,25 @@ class ExpertReader:
         if io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {io_mode!r}")
         self.io_mode, self.threads = io_mode, threads
-        self._fds: Dict[str, int] = {}
+        #: Per path (as the caller names it): (fd, aligned reads).
+        self._files: Dict[object, Tuple[int, bool]] = {}
         self.effective_modes: Dict[str, str] = {}
         #: System reads issued (after merging adjacent ranges).
         self.reads = 0
         self._lock = threading.Lock()
 
-    def _fd(self, path) -> int:
-        key = str(path)
+    def _file(self, path) -> Tuple[int, bool]:
+        """(fd, whether its reads are aligned: O_DIRECT on Linux) of ``path``, opened once."""
+        known = self._files.get(path)  # the common case, without the lock
+        if known is not None:
+            return known
         with self._lock:  # prefetch threads and the main thread share the reader
-            fd = self._fds.get(key)
-            if fd is None:
-                fd = self._fds[key] = self._open(key)
-        return fd
+            known = self._files.get(path)
+            if known is None:
+                fd = self._open(str(path))
+                aligned = self.effective_modes[str(path)] == "direct" and sys.platform.startswith("linux")
+                known = self._files[path] = (fd, aligned)
+        return known
 
     def _open(self, path: str) -> int:
         mode = "buffered"
@@ -83,14 +89,20 @@ class ExpertReader:
         while i < len(ranges):
             path, offset, nbytes = ranges[i]
             j, end = i + 1, offset + nbytes
-            while j < len(ranges) and ranges[j][0] == path and ranges[j][1] == end:
+            while j < len(ranges) and ranges[j][1] == end and ranges[j][0] == path:
                 end += ranges[j][2]
                 j += 1
-            spans.append((str(path), offset, end - offset, i, j))
+            spans.append((path, offset, end - offset, i, j))
             i = j
-        buffers = [np.empty(n, dtype=np.uint8) for _, _, n, _, _ in spans]
-        requests = [(self._fd(path), offset, n, buf, self._aligned(path))
-                    for (path, offset, n, _, _), buf in zip(spans, buffers)]
+        block = np.empty(sum(span[2] for span in spans), dtype=np.uint8)  # one allocation, a view per span
+        buffers, at = [], 0
+        for span in spans:
+            buffers.append(block[at:at + span[2]])
+            at += span[2]
+        requests = []
+        for (path, offset, n, _, _), buf in zip(spans, buffers):
+            fd, aligned = self._file(path)
+            requests.append((fd, offset, n, buf, aligned))
         pending = self._read_start(requests)
         self.reads += len(requests)
         return PendingRead(ranges, spans, buffers, pending)
@@ -99,13 +111,10 @@ class ExpertReader:
         """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order, once all have arrived."""
         return self.start(ranges).take(len(ranges))
 
-    def _aligned(self, path: str) -> bool:
-        return self.effective_modes[path] == "direct" and sys.platform.startswith("linux")
-
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd, _ in self._files.values():
             os.close(fd)
-        self._fds.clear()
+        self._files.clear()
 
 
 class PendingRead:
