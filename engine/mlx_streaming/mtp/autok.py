@@ -10,7 +10,8 @@ expected tokens per second.
 
 A probe of a K that does not pay costs tokens, so probes are few. The chooser climbs: K=1 first
 (``CLIMB_AFTER`` steps), then K+1 while the largest K measured is the best (a draft costs at least what the one
-before it cost and is accepted less often: where K=2 does not pay, K=3 will not); a K close behind the best
+before it cost and is accepted less often: where K=2 does not pay, K=3 will not; untrue on a GPU, where a step
+with drafts pays a fixed cost and each further position little: docs/design.md); a K close behind the best
 (``UNSURE``) is probed a few more steps before the climb stops. Then it probes the best K's
 neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
 (to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
