@@ -2,7 +2,7 @@
 
 import random
 
-from mlx_streaming.mtp.autok import CLIMB_AFTER, REPROBE_EVERY, KChooser
+from mlx_streaming.mtp.autok import CLIMB_AFTER, PROBE_MAX, REPROBE_EVERY, KChooser
 
 
 def _run(chooser, steps, cost, acceptance, seed=0):
@@ -89,6 +89,27 @@ def test_a_probe_slowed_by_its_switch_is_probed_again_before_the_climb_stops():
     chosen = _run(chooser, 100, cost=cost, acceptance=1.0)  # every draft accepted: the costs alone decide
     assert chosen[CLIMB_AFTER:CLIMB_AFTER + 3] == [2, 2, 3] and chooser.best() > 1
 
+
+
+def _climbed_to_k2(k2_cost: float, accepted: int) -> KChooser:
+    """A chooser after the climb's K=1 steps (1 s each) and PROBE_MAX K=2 steps of ``k2_cost`` s, each accepting
+    ``accepted`` of its one draft."""
+    chooser = KChooser(k_max=4)
+    for _ in range(CLIMB_AFTER):
+        chooser.record(1, 1.0, 0)
+    for _ in range(PROBE_MAX):
+        chooser.record(2, k2_cost, accepted)
+    return chooser
+
+
+def test_a_k_2_close_behind_k_1_has_the_k_above_it_probed_before_the_climb_stops():
+    """On a GPU a step with drafts pays a fixed cost and each further position little (an H100 at a full pool: K=2
+    7% over K=1, K=3 19%), so a K=2 that reads just below K=1 after its probes has K=3 probed once; a K=2 far
+    below it (this CPU: about 0.6 of K=1) ends the climb."""
+    close = _climbed_to_k2(1.9, 1)  # 1 + 5/6 tokens in 1.9 s: 0.96 of K=1's token a second
+    assert close.best() == 1 and close.choose() == 3
+    far = _climbed_to_k2(2.0, 0)  # 1 + 1/6 tokens in 2 s: 0.58 of K=1
+    assert far.best() == 1 and far.choose() == 1 and far.next_reprobe is not None
 
 #: Step cost per K over K=1's, acceptance, K=1's step seconds, per-step noise (log-normal sigma), from measured
 #: runs of the default model: this CPU (a K=2 verify step about twice a K=1 step) and an H100 at full and 25%

@@ -9,16 +9,18 @@ tokens (``p_j``: position j's acceptance, Laplace-smoothed), and the chooser pic
 expected tokens per second.
 
 A probe of a K that does not pay costs tokens, so probes are few. The chooser climbs: K=1 first
-(``CLIMB_AFTER`` steps), then K+1 while the largest K measured is the best (a draft costs at least what the one
-before it cost and is accepted less often: where K=2 does not pay, K=3 will not; untrue on a GPU, where a step
-with drafts pays a fixed cost and each further position little: docs/design.md); a K close behind the best
-(``UNSURE``) is probed a few more steps before the climb stops. Then it probes the best K's
+(``CLIMB_AFTER`` steps), then K+1 while the largest K measured is the best (where a verify costs about K steps, a
+draft costs at least what the one before it cost and is accepted less often: where K=2 does not pay, K=3 will not).
+A K close behind the best (``UNSURE``) is probed a few more steps (one step can be a switch's transient) and,
+still close, the K above it once before the climb stops: on a GPU a step with drafts pays a fixed cost (it is not
+run one ahead; the draft) and each further position little, so a K=2 that nearly pays can come before a K=3 that
+does (an H100 at a full pool: K=2 7% over K=1, K=3 19%). Then it probes the best K's
 neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
 (to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
 follows drifting costs and acceptance, and where speculation never pays, auto spends one K=2 step (at most
-PROBE_MAX, where K=2 reads close) in its first 64 and a few after. A choice of K=1 holds until the chooser's next
-decision (``hold``), so the decoder runs those steps one ahead, as greedy decoding does. Exactness does not depend
-on K: every step commits greedy's ids.
+PROBE_MAX and then one K=3 step, where K=2 reads close) in its first 64 and a few after. A choice of K=1 holds
+until the chooser's next decision (``hold``), so the decoder runs those steps one ahead, as greedy decoding does.
+Exactness does not depend on K: every step commits greedy's ids.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Deque, Dict, List, Optional
 #: pool, cost more than the steady ones; the very first, which carries the prefill's transition, is not weighed).
 CLIMB_AFTER = 4
 #: A climb's K whose first steps read within this share of the best K's expected tokens per second is probed
-#: again, up to PROBE_MAX steps, before the climb stops below it (one step can be a switch's transient: the
-#: loads of a larger union of experts).
+#: again, up to PROBE_MAX steps (one step can be a switch's transient: the loads of a larger union of experts),
+#: and, still within it, the K above is probed before the climb stops.
 UNSURE = 0.9
 PROBE_MAX = 4
 REPROBE_EVERY = 64
@@ -81,17 +83,20 @@ class KChooser:
         return max(1, self.next_reprobe - self.step)
 
     def _climb(self) -> Optional[int]:
-        """The K the climb probes next (the one above the largest measured, where that is the best; the largest
-        measured again, where it is close behind the best and probed less than PROBE_MAX times), or None."""
+        """The K the climb probes next (the one above the largest measured, where that is the best or, probed
+        PROBE_MAX times, still close behind it; the largest measured again, where it is close behind the best and
+        probed fewer times), or None."""
         measured = [k for k in self.candidates if k in self.cost]
         if not measured or self.steps[self.candidates[0]] < CLIMB_AFTER:
             return self.candidates[0]
         top, best = max(measured), self.best()
         if best == top:
             return top + 1 if top < self.candidates[-1] else None
-        if self.steps[top] < PROBE_MAX and self.expected_tok_s(top) >= UNSURE * self.expected_tok_s(best):
+        if self.expected_tok_s(top) < UNSURE * self.expected_tok_s(best):
+            return None
+        if self.steps[top] < PROBE_MAX:
             return top
-        return None
+        return top + 1 if top < self.candidates[-1] else None
 
     def _neighbours(self, k: int) -> List[int]:
         return [n for n in (k - 1, k + 1) if n in self.steps]
