@@ -90,7 +90,6 @@ def test_a_probe_slowed_by_its_switch_is_probed_again_before_the_climb_stops():
     assert chosen[CLIMB_AFTER:CLIMB_AFTER + 3] == [2, 2, 3] and chooser.best() > 1
 
 
-
 def _climbed_to_k2(k2_cost: float, accepted: int) -> KChooser:
     """A chooser after the climb's K=1 steps (1 s each) and PROBE_MAX K=2 steps of ``k2_cost`` s, each accepting
     ``accepted`` of its one draft."""
