@@ -28,6 +28,9 @@ class OracleDrafter:
         assert hiddens.shape[1] == len(next_tokens)
         self.generated += len(next_tokens)
 
+    def settle(self):
+        """Nothing queued to compute: the oracle keeps no cache."""
+
     def propose(self, n):
         drafts = list(self.greedy[self.generated:self.generated + n])
         wrong_at = next(self.plan)

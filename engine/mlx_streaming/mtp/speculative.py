@@ -129,8 +129,11 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
         on_decode()
     clock.lap("prefill")
     yield x, logits[0, -1], False
+    # The head is fed the prompt's positions when it first drafts, not here: at a bounded pool a feed computes at
+    # once (its MoE layer waits for its routes and loads its experts), which a run that never drafts would pay.
     fed = min(len(prompt_ids), PROMPT_FED_AUTO) if chooser else len(prompt_ids)  # the prompt's positions the head gets
-    drafter.extend((list(prompt_ids[1:]) + [x])[-fed:], mx.concatenate(hiddens, axis=1)[:, -fed:])
+    prompt_feed = None if K == 1 else ((list(prompt_ids[1:]) + [x])[-fed:], _last_positions(hiddens, fed))
+    hiddens.clear()  # the prefill's hidden states: only the feed's positions are kept
 
     unfed: List[Tuple[int, mx.array]] = []  # (token, hidden) pairs of steps without drafts, not yet fed
     while produced < max_tokens:
@@ -149,8 +152,11 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
                 produced += 1
                 x = token
             continue
-        if unfed:  # the head drafts again: feed it the positions it missed (at most UNFED_KEPT)
+        if prompt_feed or unfed:  # the head drafts: feed it the prompt, at its first draft, and the positions it missed
             clock.lap("draft")
+            if prompt_feed:
+                drafter.extend(*prompt_feed)
+                prompt_feed = None
             _catch_up(drafter, unfed)
             clock.lap("catch_up")
             unfed = []
@@ -222,6 +228,17 @@ def _steps_ahead(model, cache, x: int, n: int, clock: _Clock) -> Iterator[Tuple[
         clock.lap("verify")
         yield token, row, hidden, time.perf_counter() - start
         start = time.perf_counter()
+
+
+def _last_positions(chunks: List[mx.array], n: int) -> mx.array:
+    """The last ``n`` positions of hidden states given in chunks along axis 1, from the chunks that hold them."""
+    tail, held = [], 0
+    for chunk in reversed(chunks):
+        tail.insert(0, chunk)
+        held += chunk.shape[1]
+        if held >= n:
+            break
+    return mx.concatenate(tail, axis=1)[:, -n:]
 
 
 def _catch_up(drafter, unfed: List[Tuple[int, mx.array]]) -> None:
