@@ -47,8 +47,9 @@ class ExpertReader:
         with self._lock:  # prefetch threads and the main thread share the reader
             known = self._files.get(path)
             if known is None:
-                fd = self._open(str(path))
-                aligned = self.effective_modes[str(path)] == "direct" and sys.platform.startswith("linux")
+                name = str(path)
+                fd = self._open(name)
+                aligned = self.effective_modes[name] == "direct" and sys.platform.startswith("linux")
                 known = self._files[path] = (fd, aligned)
         return known
 
@@ -95,14 +96,12 @@ class ExpertReader:
             spans.append((path, offset, end - offset, i, j))
             i = j
         block = np.empty(sum(span[2] for span in spans), dtype=np.uint8)  # one allocation, a view per span
-        buffers, at = [], 0
-        for span in spans:
-            buffers.append(block[at:at + span[2]])
-            at += span[2]
-        requests = []
-        for (path, offset, n, _, _), buf in zip(spans, buffers):
+        buffers, requests, at = [], [], 0
+        for path, offset, n, _, _ in spans:
+            buffers.append(block[at:at + n])
+            at += n
             fd, aligned = self._file(path)
-            requests.append((fd, offset, n, buf, aligned))
+            requests.append((fd, offset, n, buffers[-1], aligned))
         pending = self._read_start(requests)
         self.reads += len(requests)
         return PendingRead(ranges, spans, buffers, pending)
