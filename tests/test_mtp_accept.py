@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_streaming.mtp.autok import CLIMB_AFTER
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp import speculative
 from mlx_streaming.mtp.speculative import _catch_up, mtp_generate
@@ -125,7 +126,7 @@ def test_the_catch_up_of_a_switch_to_drafting_is_done_before_the_k_chooser_times
     drafter = Settling(greedy, itertools.repeat(99), len(ids), sm.model.args.vocab_size)  # no wrong draft
     out, stats = mtp_generate(sm.model, drafter, ids, n, "auto")
     assert out == greedy[:n]
-    assert stats["k_hist"][:5] == [1, 1, 1, 1, 2]  # four steps without drafts, then the probe of K=2
+    assert stats["k_hist"][:CLIMB_AFTER + 1] == [1] * CLIMB_AFTER + [2]  # steps without drafts, then K=2's probe
     assert drafter.settled >= 1
     assert 100 * drafter.settled <= stats["time_s"]["catch_up"] < 100 * drafter.settled + 1
     assert all(row["ms_per_step"] < 1000 for row in stats["k_choice"] if row["ms_per_step"] is not None)
@@ -133,9 +134,8 @@ def test_the_catch_up_of_a_switch_to_drafting_is_done_before_the_k_chooser_times
 
 def test_steps_without_drafts_run_one_ahead_for_as_long_as_k_1_holds(mtp_model, oracle, prompt_ids, monkeypatch):
     """Fixed K=1 decodes as greedy decoding does, one step ahead through ``run_ahead``, in one stretch; auto runs
-    its first CLIMB_AFTER steps as one stretch, then probes K=2. Ids equal greedy's either way."""
-    from mlx_streaming.mtp.autok import CLIMB_AFTER
-
+    its first step alone (the prefill's transition, not weighed), its next CLIMB_AFTER - 1 as one stretch, then
+    probes K=2. Ids equal greedy's either way."""
     stretches = []
     real = speculative.run_ahead
 
@@ -149,7 +149,7 @@ def test_steps_without_drafts_run_one_ahead_for_as_long_as_k_1_holds(mtp_model, 
     assert out == oracle.ids(1, 12) and stretches == [11] and stats["steps"] == 11
     stretches.clear()
     out, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), ids, 12, "auto")
-    assert out == oracle.ids(1, 12) and stretches[0] == CLIMB_AFTER and stats["k_hist"][CLIMB_AFTER] == 2
+    assert out == oracle.ids(1, 12) and stretches[:2] == [1, CLIMB_AFTER - 1] and stats["k_hist"][CLIMB_AFTER] == 2
 
 
 def test_auto_feeds_the_head_only_the_prompts_last_positions(mtp_model, oracle, prompt_ids, monkeypatch):

@@ -8,19 +8,22 @@ accepted given the drafts before it were. A step at K is then expected to commit
 tokens (``p_j``: position j's acceptance, Laplace-smoothed), and the chooser picks the measured K with the most
 expected tokens per second.
 
-A probe of a K that does not pay costs tokens, so probes are few. The chooser climbs: K=1 first
-(``CLIMB_AFTER`` steps), then K+1 while the largest K measured is the best (where a verify costs about K steps, a
-draft costs at least what the one before it cost and is accepted less often: where K=2 does not pay, K=3 will not).
-A K close behind the best (``UNSURE``) is probed a few more steps (one step can be a switch's transient) and,
-still close, the K above it once before the climb stops: on a GPU a step with drafts pays a fixed cost (it is not
-run one ahead; the draft) and each further position little, so a K=2 that nearly pays can come before a K=3 that
-does (an H100 at a full pool: K=2 7% over K=1, K=3 19%). Then it probes the best K's
-neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
+A probe of a K that does not pay costs tokens, so probes are few. The chooser climbs: K=1 first (``CLIMB_AFTER``
+steps), then the K above the largest measured while the most that K could reach (its expected tokens at the
+acceptance measured so far, in the step time of the K below: a further draft position never makes a step cheaper)
+comes within ``UNSURE`` of the best. That bound, not the K below's own rate, decides, because a step with drafts
+pays a fixed cost and, on a GPU, each further position little: K=2 can read below K=1 where K=3 and K=4 are well
+above it (an H100 at a full pool: K=2 0.98x of K=1, K=3 and K=4 1.14x), while on a compute-bound CPU, where a
+verify costs about K steps, the bound falls with every K. A K within UNSURE of the best, measured on fewer than
+``PROBE_MAX`` recent steps, is probed again first: one step can be a switch's transient. Then it probes the best
+K's neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
 (to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
-follows drifting costs and acceptance, and where speculation never pays, auto spends one K=2 step (at most
-PROBE_MAX and then one K=3 step, where K=2 reads close) in its first 64 and a few after. A choice of K=1 holds
-until the chooser's next decision (``hold``), so the decoder runs those steps one ahead, as greedy decoding does.
-Exactness does not depend on K: every step commits greedy's ids.
+follows drifting costs and acceptance, and where speculation never pays, auto spends a K=2 step (and, where its
+bound reads close, a K=3 step) in its first 64 and a few after.
+
+A choice of K=1 holds until the chooser's next decision (``hold``), so the decoder runs those steps one ahead, as
+greedy decoding does, and records them as one stretch (``record_ahead``): a step's own time in a stretch depends
+on its place in it, not on K. Exactness does not depend on K: every step commits greedy's ids.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ from collections import deque
 from typing import Deque, Dict, List, Optional
 
 #: Steps at K=1 before the climb probes K=2 (the first steps after a prefill, or after other work changed the
-#: pool, cost more than the steady ones; the very first, which carries the prefill's transition, is not weighed).
-CLIMB_AFTER = 4
-#: A climb's K whose first steps read within this share of the best K's expected tokens per second is probed
-#: again, up to PROBE_MAX steps (one step can be a switch's transient: the loads of a larger union of experts),
-#: and, still within it, the K above is probed before the climb stops.
+#: pool, cost more than the steady ones; the very first, which carries the prefill's transition, runs alone and is
+#: not weighed, so K=1 starts the climb with PROBE_MAX steps measured).
+CLIMB_AFTER = 5
+#: A K whose recent steps read within this share of the best K's expected tokens per second is probed again, up
+#: to PROBE_MAX steps (one step can be a switch's transient, the loads of a larger union of experts, or noise),
+#: and the climb goes on to the K above while the most it could reach does.
 UNSURE = 0.9
 PROBE_MAX = 4
 REPROBE_EVERY = 64
+#: Steps a reprobe of K=1 holds: a stretch run one ahead pays its first step's wait once (on this CPU its first
+#: step takes about twice a steady one), which a one-step reprobe would weigh as K=1's cost.
+AHEAD_PROBE = 4
 REPROBE_MAX = 1024
 #: A K's cost is the mean of its last COST_WINDOW steps (of those since it last ran more than REPROBE_EVERY
 #: steps before: a reprobe's earlier measures are from another time).
@@ -73,30 +80,36 @@ class KChooser:
         return best
 
     def hold(self) -> int:
-        """How many steps a choice of K=1 just made holds before the chooser decides again: the climb's steps left
-        at K=1, one for a reprobe, else the steps until the next reprobe. The decoder runs them one step ahead, the
-        way greedy decoding runs (a step without drafts has nothing to wait for)."""
+        """How many steps a choice of K=1 just made holds before the chooser decides again: the first step alone
+        (it carries the prefill's transition and is not weighed), then the climb's steps left at K=1,
+        ``AHEAD_PROBE`` for a reprobe, else the steps until the next reprobe. The decoder runs them one step ahead,
+        the way greedy decoding runs (a step without drafts has nothing to wait for), and records them together
+        (``record_ahead``)."""
+        if self.step == 0:
+            return 1
         if self.steps[self.candidates[0]] < CLIMB_AFTER:
             return CLIMB_AFTER - self.steps[self.candidates[0]]
-        if self._reprobe_of is not None or self.next_reprobe is None:
-            return 1
+        if self._reprobe_of is not None or self.next_reprobe is None or self._climb() is not None:
+            return AHEAD_PROBE
         return max(1, self.next_reprobe - self.step)
 
     def _climb(self) -> Optional[int]:
-        """The K the climb probes next (the one above the largest measured, where that is the best or, probed
-        PROBE_MAX times, still close behind it; the largest measured again, where it is close behind the best and
-        probed fewer times), or None."""
-        measured = [k for k in self.candidates if k in self.cost]
-        if not measured or self.steps[self.candidates[0]] < CLIMB_AFTER:
+        """The K to probe next, or None: a K whose steps read within UNSURE of the best's, measured on fewer than
+        PROBE_MAX of its recent steps, is probed again (the least measured first: one step can be a switch's
+        transient, or noise); then the K above the largest measured, where
+        the most it could reach (its expected tokens at the acceptance measured so far, in the step time of the K
+        below it: a further draft position never makes a step cheaper) comes within UNSURE of the best."""
+        if self.steps[self.candidates[0]] < CLIMB_AFTER:
             return self.candidates[0]
-        top, best = max(measured), self.best()
-        if best == top:
-            return top + 1 if top < self.candidates[-1] else None
-        if self.expected_tok_s(top) < UNSURE * self.expected_tok_s(best):
-            return None
-        if self.steps[top] < PROBE_MAX:
-            return top
-        return top + 1 if top < self.candidates[-1] else None
+        best = self.best()
+        bar = UNSURE * self.expected_tok_s(best)
+        close = [k for k in self.cost if k != best and len(self._recent[k]) < PROBE_MAX and self.expected_tok_s(k) >= bar]
+        if close:
+            return min(close, key=lambda k: (len(self._recent[k]), k))
+        top = max(self.cost)
+        if top < self.candidates[-1] and self.expected_tokens(top + 1) / self.cost[top] >= bar:
+            return top + 1
+        return None
 
     def _neighbours(self, k: int) -> List[int]:
         return [n for n in (k - 1, k + 1) if n in self.steps]
@@ -105,6 +118,15 @@ class KChooser:
         """The measured K with the most expected tokens per second."""
         measured = [k for k in self.candidates if k in self.cost] or self.candidates[:1]
         return max(measured, key=self.expected_tok_s)
+
+    def record_ahead(self, seconds: List[float]) -> None:
+        """A stretch of steps without drafts, run one ahead, took ``seconds`` (per step). A step's own time there
+        depends on its place, not on K: the first waits for its own forward and queues the next, the last finds its
+        forward done (on this CPU 2.0x and 0.2x of the steady step), so every step is weighed at the stretch's
+        mean; a short stretch, whose first step weighs more, is what a switch to K=1 costs."""
+        mean = sum(seconds) / len(seconds)
+        for _ in seconds:
+            self.record(1, mean, 0)
 
     def record(self, k: int, seconds: float, accepted: int) -> None:
         """One step at ``k`` took ``seconds`` and accepted ``accepted`` of its ``k - 1`` drafts."""

@@ -139,6 +139,7 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
     while produced < max_tokens:
         k = chooser.choose() if chooser else K
         if k == 1:  # no drafts for as long as the choice holds: greedy's steps, one ahead
+            stretch = []  # the steps' seconds
             for token, row, hidden, seconds in _steps_ahead(model, cache, x, min(
                     max_tokens - produced, chooser.hold() if chooser else max_tokens), clock):
                 stats.steps += 1
@@ -146,11 +147,12 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
                 stats.accept_hist.append(0)
                 stats.k_hist.append(1)
                 unfed = (unfed + [(token, hidden)])[-UNFED_KEPT:]
-                if chooser:
-                    chooser.record(1, seconds, 0)
+                stretch.append(seconds)
                 yield token, row, False
                 produced += 1
                 x = token
+            if chooser:
+                chooser.record_ahead(stretch)
             continue
         if prompt_feed or unfed:  # the head drafts: feed it the prompt, at its first draft, and the positions it missed
             clock.lap("draft")
