@@ -100,14 +100,15 @@ class KChooser:
     def _climb(self) -> Optional[int]:
         """The K to probe next, or None: a K whose steps read within UNSURE of the best's, measured on fewer than
         PROBE_MAX of its recent steps, is probed again (the least measured first: one step can be a switch's
-        transient, or noise); then the K above the largest measured, where
-        the most it could reach (its expected tokens at the acceptance measured so far, in the step time of the K
-        below it: a further draft position never makes a step cheaper) comes within UNSURE of the best."""
+        transient, or noise); then the K above the largest measured, where the most it could reach (its expected
+        tokens at the acceptance measured so far, in the step time of the K below it: a further draft position
+        never makes a step cheaper) comes within UNSURE of the best."""
         if self.steps[self.candidates[0]] < CLIMB_AFTER:
             return self.candidates[0]
         best = self.best()
         bar = UNSURE * self.expected_tok_s(best)
-        close = [k for k in self.cost if k != best and len(self._recent[k]) < PROBE_MAX and self.expected_tok_s(k) >= bar]
+        close = [k for k in self.cost
+                 if k != best and len(self._recent[k]) < PROBE_MAX and self.expected_tok_s(k) >= bar]
         if close:
             return min(close, key=lambda k: (len(self._recent[k]), k))
         top = max(self.cost)
@@ -126,7 +127,7 @@ class KChooser:
     def record_ahead(self, seconds: List[float]) -> None:
         """A stretch of steps without drafts, run one ahead, took ``seconds`` (per step). A step's own time there
         depends on its place, not on K: the first waits for its own forward and queues the next, the last finds its
-        forward done (on this CPU 2.0x and 0.2x of the steady step), so every step is weighed at the stretch's
+        forward done (on this CPU about 2x and 0.2x of a steady step), so every step is weighed at the stretch's
         mean; a short stretch, whose first step weighs more, is what a switch to K=1 costs."""
         mean = sum(seconds) / len(seconds)
         for _ in seconds:
