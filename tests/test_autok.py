@@ -121,10 +121,10 @@ def test_a_k_2_close_behind_k_1_has_the_k_above_it_probed_before_the_climb_stops
 
 #: Step cost per K over K=1's steady step, acceptance, K=1's steady step seconds, per-step noise (log-normal
 #: sigma), and what a lone K=1 step costs over a steady one (it waits for its own forward), from measured runs of
-#: the default model: this CPU and an H100 at full and 25% pools (bench --k-report's fixed arms; the lone step's
-#: cost on the H100 is not measured: its host and device work in turn).
+#: the default model: this CPU and an H100 at full and 25% pools (bench --k-report's fixed arms; a stretch's first
+#: step, lone + 0.8, from a scripted K schedule: CPU 85-103 ms against steady 40-44, H100 12.8-13.6 against 5.6-6.7).
 NOISY_PROFILES = {"cpu": ([1, 2.0, 2.9, 3.8], 0.67, 0.041, 0.08, 1.3),
-                  "gpu, full pool": ([1, 1.83, 2.15, 2.59], 0.8, 0.0043, 0.15, 1.8),
+                  "gpu, full pool": ([1, 1.83, 2.15, 2.59], 0.8, 0.0043, 0.15, 1.35),
                   "gpu, 25% pool": ([1, 1.17, 1.52, 1.78], 0.8, 0.0163, 0.15, 1.3)}
 
 
@@ -158,10 +158,10 @@ def _tok_s(profile, tokens, seed, k=None):
 
 def test_on_noisy_measured_profiles_auto_keeps_near_the_best_fixed_k():
     """Over 100 seeded runs each: on the CPU's profile auto keeps 0.97 of K=1 in 128 tokens (a K=2 and a K=3
-    probe: K=2's bound reads close); on the GPU's it keeps 0.96-0.97 of the best fixed K over 512 tokens and
-    0.92-0.93 over 128 (the climb's probes weigh more)."""
+    probe: K=2's bound reads close); on the GPU's it keeps 0.96 of the best fixed K over 512 tokens and
+    0.93-0.94 over 128 (the climb's probes weigh more)."""
     floors = {("cpu", 128): 0.97, ("gpu, full pool", 128): 0.93, ("gpu, 25% pool", 128): 0.92,
-              ("gpu, full pool", 512): 0.97, ("gpu, 25% pool", 512): 0.96}
+              ("gpu, full pool", 512): 0.95, ("gpu, 25% pool", 512): 0.96}
     for (profile, tokens), floor in floors.items():
         mean = lambda k: sum(_tok_s(profile, tokens, seed, k) for seed in range(100)) / 100
         best = max(mean(k) for k in (1, 2, 3, 4))
@@ -213,15 +213,15 @@ def test_a_choice_of_k_1_holds_until_the_chooser_would_decide_again():
 
 def test_a_stretch_without_drafts_is_weighed_at_its_mean_not_by_its_steps_places():
     """Run one ahead, a stretch's first step also waits for its own forward and its last finds its forward done
-    (on this CPU 2.0x and 0.2x of a steady step): weighed step by step, the climb's short stretch made K=1 look
-    1.3x faster than it runs, and on a GPU's profile (a step with drafts pays a fixed cost, K=2 0.98x of K=1,
-    K=3 and K=4 1.14x) auto stayed at K=1. Weighed at the stretch's mean, it climbs past K=2."""
-    def ahead(n):  # a lone step waits for its forward (1.8x, an H100's host and device work in turn)
-        return [1.8] if n == 1 else [2.8] + [1.0] * (n - 2) + [0.2]
+    (on the H100 and this CPU about 2.2x and 0.0-0.2x of a steady step). Weighed at the stretch's mean, K=1's cost
+    is what the stretch took per step, whatever its length, and on a GPU's profile (a step with drafts pays a fixed
+    cost: an H100's K=2, K=3 and K=4 steps 1.83, 2.15 and 2.59 K=1 steps) auto climbs past K=2 and stays there."""
+    def ahead(n):  # a lone step waits for its forward: its host and device work in turn
+        return [1.4] if n == 1 else [2.2] + [1.0] * (n - 2) + [0.1]
 
     chooser = KChooser()
-    _run_as_decoded(chooser, 300, cost=lambda k: [1.0, 1.83, 2.15, 2.59][k - 1], acceptance=0.8, ahead=ahead)
-    assert chooser.best() >= 3 and chooser.cost[1] == (2.8 + 2 * 1.0 + 0.2) / 4
+    _run_as_decoded(chooser, 300, cost=lambda k: [1.0, 1.83, 2.15, 2.59][k - 1], acceptance=0.9, ahead=ahead)
+    assert chooser.best() >= 3 and chooser.cost[1] == (2.2 + 2 * 1.0 + 0.1) / 4
     assert chooser.steps[3] + chooser.steps[4] > 0.8 * sum(chooser.steps.values())
 
 
