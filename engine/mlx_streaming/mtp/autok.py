@@ -93,7 +93,7 @@ class KChooser:
             return 1
         if self.steps[self.candidates[0]] < CLIMB_AFTER:
             return CLIMB_AFTER - self.steps[self.candidates[0]]
-        if self._reprobe_of is not None or self.next_reprobe is None or self._climb() is not None:
+        if self._reprobe_of is not None or self._climb() is not None:  # a probe
             return AHEAD_PROBE
         return max(1, self.next_reprobe - self.step)
 
