@@ -16,6 +16,7 @@ from mlx_streaming.decode.greedy import greedy_generate, greedy_steps
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
+from mlx_streaming.residency.guard import TRIAL_FAILURES
 
 TOKENS = 24
 COUNTED = ("hits", "misses", "evictions", "demand_loads", "fastpath", "fallback", "grouped")
@@ -67,6 +68,26 @@ def test_a_miss_costs_syncs_only_where_it_is(model_dir, reference_model, prompt_
         if warm:
             assert token_stats["resumed_forwards"] > 0 and token_stats["misses"] > 0
             assert token_stats["host_syncs"] < layer_stats["host_syncs"] / 2
+
+
+def test_a_pool_whose_deferred_checks_often_fail_checks_layer_by_layer(model_dir, reference_model, streaming_model):
+    """At 16 slots (of 128) this prompt's forwards after an all-resident one often miss: with deferral tried on
+    every such forward (the rule off), its checks fail again and again; with the rule, forwards go back to the
+    per-layer path once more than TRIAL_FAILURES of the recent trials failed. Same ids, same residency counters."""
+    prompt = streaming_model.tokenizer.encode("import os\nimport sys\n")
+    tokens = 64
+    runs = {}
+    for rule in (True, False):
+        with build_streaming_model(model_dir, StreamingConfig(miss_check="forward", pool_slots=16)) as sm:
+            if not rule:
+                sm.store.guard.deferring_pays = lambda: True
+            runs[rule] = greedy_generate(sm.model, prompt, tokens), sm.store.stats()
+    (ids, stats), (ids_off, stats_off) = runs[True], runs[False]
+    assert ids == ids_off == greedy_generate(reference_model, prompt, tokens)
+    assert {k: stats[k] for k in COUNTED} == {k: stats_off[k] for k in COUNTED}
+    assert stats_off["deferred_retries"] > 2 * TRIAL_FAILURES
+    assert stats["deferred_retries"] < stats_off["deferred_retries"]
+    assert stats["deferred_forwards"] < stats_off["deferred_forwards"]
 
 
 def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
