@@ -16,7 +16,7 @@ from mlx_streaming.decode.greedy import greedy_generate, greedy_steps
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.mtp.drafter import MTPDrafter
 from mlx_streaming.mtp.speculative import mtp_generate
-from mlx_streaming.residency.guard import TRIAL_FAILURES
+from mlx_streaming.residency.guard import TRIAL_FAILURES, TRIAL_WINDOW
 
 TOKENS = 24
 COUNTED = ("hits", "misses", "evictions", "demand_loads", "fastpath", "fallback", "grouped")
@@ -88,6 +88,23 @@ def test_a_pool_whose_deferred_checks_often_fail_checks_layer_by_layer(model_dir
     assert stats_off["deferred_retries"] > 2 * TRIAL_FAILURES
     assert stats["deferred_retries"] < stats_off["deferred_retries"]
     assert stats["deferred_forwards"] < stats_off["deferred_forwards"]
+
+
+def test_a_pool_that_holds_its_working_set_defers_again_after_failed_trials(model_dir, prompt_ids):
+    """A warm pool (nothing misses) whose last trials failed, as at a pool that has just grown to hold its working
+    set: forwards check layer by layer, each a passing trial, until no more than TRIAL_FAILURES of the last
+    TRIAL_WINDOW failed; from then on every forward defers."""
+    prompt = prompt_ids[0]
+    with build_streaming_model(model_dir, StreamingConfig(miss_check="forward")) as sm:
+        greedy_generate(sm.model, prompt, 64)
+        sm.store.reset_stats()
+        sm.store.guard._trials.extend([False] * (TRIAL_FAILURES + 1))  # planted: the last trials failed
+        greedy_generate(sm.model, prompt, TOKENS)
+        stats = sm.store.stats()
+    by_layer = TRIAL_WINDOW - TRIAL_FAILURES  # passing trials that push all but TRIAL_FAILURES failures out
+    assert stats["misses"] == 0 and stats["deferred_retries"] == 0
+    assert stats["deferred_forwards"] == TOKENS - by_layer  # the prompt's prefill and TOKENS - 1 decode steps
+    assert stats["host_syncs"] == by_layer * 8 + stats["deferred_forwards"]  # 8 MoE layers
 
 
 def test_a_warm_full_pool_syncs_once_per_forward(model_dir, prompt_ids):
