@@ -109,7 +109,9 @@ class MissGuard:
                 self.bulk.keep(self._close())
                 return out
             restore = snapshot()
-            if restore is None or not self._begin(tokens):
+            if restore is None:  # caches that cannot be restored: no rerun, so no deferral either
+                return call()
+            if not self._begin(tokens):
                 return self._by_layer(call)
             while True:
                 out = call()
