@@ -4,14 +4,14 @@ A forward of a few tokens whose forward before it found every routed expert resi
 checks have been passing (``TRIAL_WINDOW``): each MoE layer takes its slots from the pool's device-side table and
 keeps its routes; when the forward is done, one sync brings every layer's routes to the host and one lookup
 checks them. If all were resident, they are accounted as the layer-by-layer path would account them; if not, the
-caches are restored and the forward runs again (same ids, same counters). Where the check found one MoE layer's experts missing, the forward runs again
-deferred, that layer loaded first: its routes are exact (every layer before it computed over resident experts),
-so two waits serve a miss that layer by layer would wait at every MoE layer for; where several layers missed
-(the routes after the first are only a hint), it runs again layer by layer, the layers loaded so far taking
-their slots from the device's table. Inside ``queueing`` (a decode loop one step ahead) the check is
-left queued, to be confirmed after the next step is queued on the device. On a complete pool (every expert
-resident, nothing watching routes but the hit counters) no forward can miss: routes are kept and counted in
-bulk (``bulk.BulkCount``), with no wait for the step in flight.
+caches are restored and the forward runs again (same ids, same counters). Where the check found one MoE layer's
+experts missing, the forward runs again deferred, that layer loaded first: its routes are exact (every layer
+before it computed over resident experts), so two waits serve a miss that layer by layer would wait at every MoE
+layer for; where several layers missed (the routes after the first are only a hint), it runs again layer by
+layer, the layers loaded so far taking their slots from the device's table. Inside ``queueing`` (a decode loop
+one step ahead) the check is left queued, to be confirmed after the next step is queued on the device. On a
+complete pool (every expert resident, nothing watching routes but the hit counters) no forward can miss: routes
+are kept and counted in bulk (``bulk.BulkCount``), with no wait for the step in flight.
 """
 
 from __future__ import annotations
