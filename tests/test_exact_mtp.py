@@ -52,3 +52,27 @@ def test_speculative_ids_equal_greedy_ids(spec_setup, oracle, prompt_ids, exact_
     })
     assert stats["tokens"] == n and stats["commit_mode"] == commit_mode
     assert divergence is None or divergence.near_tie, f"speculative ids diverge from greedy: {divergence}"
+
+
+def test_one_k_chooser_kept_across_server_requests_and_every_request_equals_greedy(mtp_model, oracle, prompt_ids,
+                                                                                   exact_tokens):
+    """``serve`` answers greedy requests through ``loop.engine_step`` with one K chooser for the model: each
+    request starts from what the ones before it measured, and each one's ids are greedy's."""
+    import mlx.core as mx
+
+    from mlx_streaming.integrations import loop
+
+    def sampler(logprobs):
+        return mx.argmax(logprobs, axis=-1)
+
+    sampler.greedy = True  # what the server's sampler says of a request at temperature 0
+    engine = loop.EngineLoop(mtp_model, "auto", "direct", speculate=True)
+    n, drafted = min(MAX_TOKENS, exact_tokens), 0
+    for prompt in range(len(TEST_PROMPTS)):
+        steps = list(loop.engine_step(mx.array(prompt_ids[prompt]), mtp_model.model, engine, max_tokens=n,
+                                      sampler=sampler))
+        divergence = first_divergence([token for token, _, _ in steps], oracle.ids(prompt, n), oracle.margins(prompt, n))
+        assert divergence is None or divergence.near_tie, f"prompt {prompt}: {divergence}"
+        drafted += sum(from_draft for _, _, from_draft in steps)
+    assert engine.chooser.step > n  # one request takes at most n - 1 steps: the chooser counted several
+    assert drafted > 0  # the first request's climb probes K=2: drafts were committed

@@ -135,7 +135,9 @@ def test_server_greedy_completion_equals_in_memory_greedy_and_speculates(server,
     assert reply["choices"][0]["text"] == expected
     assert reply["usage"]["completion_tokens"] == 16 and reply["usage"]["prompt_tokens"] == len(tokenizer.encode(PROMPT))
     runs = _speculative_requests(server_log)
-    assert len(runs) == before + 1 and 0 < runs[-1][0] < 16  # fewer verify steps than tokens: drafts were committed
+    # the engine's speculation ran it: K auto, whose chooser, kept across requests, may settle on steps without drafts
+    # where a verify does not pay (tests/test_exact_mtp.py shows the kept chooser's requests committing drafts)
+    assert len(runs) == before + 1 and 0 < runs[-1][0] <= 15
 
 
 def test_server_samples_as_mlx_lm_does_without_speculation(server, server_log, model_dir):

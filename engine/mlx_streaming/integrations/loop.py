@@ -18,17 +18,21 @@ import logging
 import mlx.core as mx
 
 from ..decode.step import generate_step, mlx_generate
+from ..mtp.autok import KChooser
 
 _MLX_SPECULATIVE_STEP = mlx_generate.speculative_generate_step
 
 
 class EngineLoop:
     """What stands in mlx-lm's draft-model slot: the streaming model, and how greedy requests speculate
-    (``k``, ``commit_mode``; ``speculate`` False: never, as where the prompt cache must end at the last token)."""
+    (``k``, ``commit_mode``; ``speculate`` False: never, as where the prompt cache must end at the last token).
+    With ``k`` "auto" one K chooser serves every request (mlx-lm's server runs requests with a draft model one at a
+    time): a request starts from the K the earlier ones measured best, with no climb."""
 
     def __init__(self, streaming, k, commit_mode: str, speculate: bool):
         self.streaming, self.k, self.commit_mode = streaming, k, commit_mode
         self.speculate = speculate and streaming.mtp is not None
+        self.chooser = KChooser() if k == "auto" and self.speculate else None
 
     def make_cache(self) -> list:
         """mlx-lm's server appends the draft model's caches to the request's: the engine keeps none there."""
@@ -50,7 +54,7 @@ def _mtp_tokens(prompt, loop: EngineLoop, stream, max_tokens: int):
     from ..mtp.drafter import MTPDrafter
     from ..mtp.speculative import SpecStats, mtp_stream
 
-    sm, stats = loop.streaming, SpecStats(loop.commit_mode, loop.k)
+    sm, stats = loop.streaming, SpecStats(loop.commit_mode, loop.k, chooser=loop.chooser)
     try:
         with mx.stream(stream):
             for token, logits, from_draft in mtp_stream(sm.model, MTPDrafter(sm.mtp, sm.model), prompt, max_tokens, stats):

@@ -15,15 +15,21 @@ comes within ``UNSURE`` of the best. That bound, not the K below's own rate, dec
 pays a fixed cost and, on a GPU, each further position little: K=2 can read below K=1 where K=3 and K=4 are well
 above it (an H100 at a full pool: K=2 0.98x of K=1, K=3 and K=4 1.14x), while on a compute-bound CPU, where a
 verify costs about K steps, the bound falls with every K. A K within UNSURE of the best, measured on fewer than
-``PROBE_MAX`` recent steps, is probed again first: one step can be a switch's transient. Then it probes the best
-K's neighbours, the one measured longest ago, first ``REPROBE_EVERY`` steps after the climb, the interval doubling
-(to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting over when one changes it: the choice
-follows drifting costs and acceptance, and where speculation never pays, auto spends a K=2 step (and, where its
-bound reads close, a K=3 step) in its first 64 and a few after.
+``PROBE_MAX`` recent steps, is probed again first: one step can be a switch's transient. Then it reprobes the best
+K's neighbours and any K reading within UNSURE of it, the one measured longest ago, first ``REPROBE_EVERY`` steps
+after the climb, the interval doubling (to ``REPROBE_MAX``) while reprobes leave the choice as it was and starting
+over when one changes it: the choice follows drifting costs and acceptance, and where speculation never pays, auto
+spends a K=2 step (and, where its bound reads close, a K=3 step) in its first 64 and a few after.
 
 A choice of K=1 holds until the chooser's next decision (``hold``), so the decoder runs those steps one ahead, as
 greedy decoding does, and records them as one stretch (``record_ahead``): a step's own time in a stretch depends
 on its place in it, not on K. Exactness does not depend on K: every step commits greedy's ids.
+
+A chooser can be kept across runs of one loaded model (``serve`` keeps one per model; ``begin`` starts each run):
+what a step costs at each K is the machine's and the pool's, so a later run starts at the K measured best, with no
+climb, and its reprobes go on where the last run's left off; each run's first step is not weighed, and acceptance,
+which the text decides (code drafts better than prose), carries at most ``ACCEPT_CARRIED`` outcomes per draft
+position into the next run.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ REPROBE_MAX = 1024
 #: a mean one such step hides a K that pays until its window forgets it; a stretch without drafts is recorded at
 #: its mean (``record_ahead``), so its own spikes are spread over its steps.
 COST_WINDOW = 8
+#: Outcomes per draft position a kept chooser carries into its next run (``begin``): enough to start from what
+#: the model's drafts did so far, few enough that the new text's own outcomes soon outweigh them.
+ACCEPT_CARRIED = 32
 
 
 class KChooser:
@@ -63,13 +72,25 @@ class KChooser:
         self.seconds: Dict[int, float] = {k: 0.0 for k in self.candidates}  #: all steps at K together
         self.committed: Dict[int, int] = {k: 0 for k in self.candidates}  #: tokens those steps committed
         self.last_step: Dict[int, int] = {k: -1 for k in self.candidates}
-        self.tried: List[int] = [0] * k_max  #: per draft position (1-based index), drafts verified there
-        self.accepted: List[int] = [0] * k_max  #: of those, accepted
+        self.tried: List[float] = [0] * k_max  #: per draft position (1-based index), drafts verified there
+        self.accepted: List[float] = [0] * k_max  #: of those, accepted
         self.step = 0
+        self._first = True  #: the next step is its run's first (after the prefill): run alone, not weighed
         #: Steps between reprobes, and the step of the next (None: still climbing).
         self.interval = REPROBE_EVERY
         self.next_reprobe: Optional[int] = None
         self._reprobe_of: Optional[int] = None  #: the choice a reprobe running now was made against
+
+    def begin(self) -> None:
+        """A run starts (its prompt prefilled). Its first step is not weighed; the measured costs and the reprobe
+        schedule stand (a reprobe the last run left unfinished is dropped); acceptance keeps at most ACCEPT_CARRIED
+        outcomes per position, scaled down from what it counted."""
+        self._first = True
+        self._reprobe_of = None
+        for position, tried in enumerate(self.tried):
+            if tried > ACCEPT_CARRIED:
+                self.accepted[position] *= ACCEPT_CARRIED / tried
+                self.tried[position] = ACCEPT_CARRIED
 
     def choose(self) -> int:
         climb = self._climb()
@@ -80,7 +101,7 @@ class KChooser:
             self.next_reprobe = self.step + self.interval
         if self.step >= self.next_reprobe:
             self._reprobe_of = best
-            return min(self._neighbours(best), key=lambda k: self.last_step[k])
+            return min(self._reprobed(best), key=lambda k: self.last_step[k])
         return best
 
     def hold(self) -> int:
@@ -89,7 +110,7 @@ class KChooser:
         ``AHEAD_PROBE`` for a reprobe, else the steps until the next reprobe. The decoder runs them one step ahead,
         the way greedy decoding runs (a step without drafts has nothing to wait for), and records them together
         (``record_ahead``)."""
-        if self.step == 0:
+        if self._first:
             return 1
         if self.steps[self.candidates[0]] < CLIMB_AFTER:
             return CLIMB_AFTER - self.steps[self.candidates[0]]
@@ -116,8 +137,12 @@ class KChooser:
             return top + 1
         return None
 
-    def _neighbours(self, k: int) -> List[int]:
-        return [n for n in (k - 1, k + 1) if n in self.steps]
+    def _reprobed(self, best: int) -> List[int]:
+        """The Ks a reprobe chooses from: ``best``'s neighbours, and any other measured K that reads within UNSURE
+        of it (one unlucky probe must not rule out for good a K that is not a neighbour of the choice)."""
+        bar = UNSURE * self.expected_tok_s(best)
+        return sorted({n for n in (best - 1, best + 1) if n in self.steps}
+                      | {k for k in self.cost if k != best and self.expected_tok_s(k) >= bar})
 
     def best(self) -> int:
         """The measured K with the most expected tokens per second."""
@@ -137,9 +162,10 @@ class KChooser:
         """One step at ``k`` took ``seconds`` and accepted ``accepted`` of its ``k - 1`` drafts."""
         if self.step - self.last_step[k] > REPROBE_EVERY:
             self._recent[k].clear()
-        if self.step > 0:
+        if not self._first:
             self._recent[k].append(seconds)
             self.cost[k] = statistics.median(self._recent[k])
+        self._first = False
         self.steps[k] += 1
         self.seconds[k] += seconds
         self.committed[k] += accepted + 1

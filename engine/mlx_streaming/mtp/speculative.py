@@ -56,7 +56,7 @@ class SpecStats:
     accept_hist: List[int] = field(default_factory=list)
     k_hist: List[int] = field(default_factory=list)  #: K of every step (they differ with "auto")
     times: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
-    chooser: Optional[KChooser] = None  #: the run's K chooser, with K "auto"
+    chooser: Optional[KChooser] = None  #: the run's K chooser, with K "auto" (one kept from earlier runs, if given)
 
     def as_dict(self) -> dict:
         wall = sum(self.times.values())
@@ -86,11 +86,13 @@ class _Clock:
 
 def mtp_generate(model, drafter, prompt_ids: Sequence[int], max_tokens: int, K: Union[int, str] = 3,
                  commit_mode: str = "direct", prefill_chunk: int = 256,
-                 on_decode: Optional[Callable[[], None]] = None) -> Tuple[List[int], dict]:
+                 on_decode: Optional[Callable[[], None]] = None,
+                 chooser: Optional[KChooser] = None) -> Tuple[List[int], dict]:
     """``max_tokens`` ids equal to greedy decoding's, and the run's statistics. ``K`` tokens per verify (1: no
-    drafts), or "auto": a ``KChooser`` picks K at every step from what it measures. ``on_decode()`` is called
-    once the prompt is prefilled (a benchmark starts its counters there)."""
-    stats = SpecStats(commit_mode, K)
+    drafts), or "auto": a ``KChooser`` picks K at every step from what it measures (``chooser``: one kept from
+    earlier runs of this model, which starts from what it measured there; else a new one). ``on_decode()`` is
+    called once the prompt is prefilled (a benchmark starts its counters there)."""
+    stats = SpecStats(commit_mode, K, chooser=chooser)
     out = [token for token, _, _ in mtp_stream(model, drafter, prompt_ids, max_tokens, stats, prefill_chunk, on_decode)]
     result = stats.as_dict()
     if stats.chooser:
@@ -110,7 +112,9 @@ def mtp_stream(model, drafter, prompt_ids: Sequence[int], max_tokens: int, stats
         raise ValueError(f"commit_mode must be one of {COMMIT_MODES}, got {commit_mode!r}")
     if K != "auto" and (not isinstance(K, int) or K < 1):
         raise ValueError(f"K must be a positive integer or 'auto', got {K!r}")
-    chooser = stats.chooser = KChooser() if K == "auto" else None
+    chooser = stats.chooser = (stats.chooser or KChooser()) if K == "auto" else None
+    if chooser:
+        chooser.begin()
     clock = _Clock(stats.times)
     captures = state_captures(model) if commit_mode == "direct" else []
     cache = make_prompt_cache(model)

@@ -9,21 +9,24 @@ from pathlib import Path
 from ...config import StreamingConfig
 from ...run_settings import RunSettings
 from ...decode.greedy import greedy_generate
+from ...mtp.autok import KChooser
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
 from .common import _costed, _greedy_runs, _interleaved, _say, _spread, _versus_best, timed_greedy
 from .io_report import _demand_gbps, raw_read_probe
 
 
-#: ``bench --k-report``: every fixed K (1: no drafts) and "auto".
-K_REPORT = (1, 2, 3, 4, "auto")
+#: ``bench --k-report``: every fixed K (1: no drafts), "auto" with a new chooser per run (as ``generate`` runs)
+#: and "auto kept", one chooser kept across the arm's runs, its warm-up included (as ``serve`` keeps one per model).
+K_REPORT = (1, 2, 3, 4, "auto", "auto kept")
+AUTO_ARMS = ("auto", "auto kept")
 
 
 def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
-    """MTP speculation at every fixed K and at "auto", interleaved (``_interleaved``): median decode tok/s per
-    K, auto over the best fixed K, the same by the process's CPU ms per decoded token (on MLX's CPU backend the
-    verdict a neighbour on a shared host cannot move; on a GPU the host's share only), the K auto chose per step,
-    and every run's ids against greedy's."""
+    """MTP speculation at every fixed K and at "auto" (a new chooser per run, and one kept across runs),
+    interleaved (``_interleaved``): median decode tok/s per K, each auto over the best fixed K, the same by the
+    process's CPU ms per decoded token (on MLX's CPU backend the verdict a neighbour on a shared host cannot move;
+    on a GPU the host's share only), the K each auto chose per step, and every run's ids against greedy's."""
     from ...model import build_streaming_model
 
     with build_streaming_model(model_dir, config.replace(mtp=True)) as sm:
@@ -31,23 +34,31 @@ def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict
         greedy = greedy_generate(sm.model, prompt_ids, run.max_tokens, config.prefill_chunk)
 
         def arm(k):
+            kept = KChooser() if k == "auto kept" else None
+
             def once(n, on_decode):
-                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n, k, run.commit_mode,
-                                          config.prefill_chunk, on_decode)
+                ids, stats = mtp_generate(sm.model, MTPDrafter(sm.mtp, sm.model), prompt_ids, n,
+                                          "auto" if kept else k, run.commit_mode, config.prefill_chunk, on_decode,
+                                          chooser=kept)
                 return stats["decode_tok_s"], ids, stats["k_hist"], stats["time_s"]["catch_up"]
             return _costed(once, None)
 
         rates, runs = _interleaved("K report", {k: arm(k) for k in K_REPORT}, run)
         cpu_ms = {str(k): statistics.median(cpu for _, (cpu, *_) in runs[k]) for k in K_REPORT}
-        best_cpu = min((k for k in cpu_ms if k != "auto"), key=cpu_ms.get)
-        steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, (_, _, chosen, _) in runs["auto"]]
-        return {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": run.max_tokens,
-                "repeat": run.repeat, **_versus_best(rates, "auto"), "tok_s_per_round": rates,
-                "cpu_ms_per_token": cpu_ms, "best_fixed_by_cpu": best_cpu,
-                "auto_over_best_by_cpu": cpu_ms[best_cpu] / cpu_ms["auto"],
-                "auto_k_steps": steps[-1], "auto_k_steps_per_round": steps,
-                "auto_catch_up_ms_per_round": [1000 * s for _, (*_, s) in runs["auto"]],
-                "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
+        best_cpu = min((k for k in cpu_ms if k not in AUTO_ARMS), key=cpu_ms.get)
+        versus = _versus_best(rates, AUTO_ARMS)
+        report = {"model": str(model_dir), "pool_slots": sm.store.capacity, "max_tokens": run.max_tokens,
+                  "repeat": run.repeat, "tok_s": versus["tok_s"], "best_fixed": versus["best_fixed"],
+                  "tok_s_per_round": rates, "cpu_ms_per_token": cpu_ms, "best_fixed_by_cpu": best_cpu,
+                  "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
+        for name in AUTO_ARMS:
+            key = name.replace(" ", "_")
+            steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, (_, _, chosen, _) in runs[name]]
+            report.update({f"{key}_over_best": versus["over_best"][name],
+                           f"{key}_over_best_by_cpu": cpu_ms[best_cpu] / cpu_ms[name],
+                           f"{key}_k_steps": steps[-1], f"{key}_k_steps_per_round": steps,
+                           f"{key}_catch_up_ms_per_round": [1000 * s for _, (*_, s) in runs[name]]})
+        return report
 
 
 def prefetch_auto_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
@@ -70,8 +81,10 @@ def prefetch_auto_report(model_dir: Path, config: StreamingConfig, run: RunSetti
         names = {False: "off", True: "on", "auto": "auto"}
         rates, runs = _interleaved("prefetch report", {names[a]: arm(sm) for a, sm in models.items()}, run)
         switch = models["auto"].prefetch.switch
+        versus = _versus_best(rates, ("auto",))
         return {"model": str(model_dir), "pool_slots": models[False].store.capacity, "io_mode": config.io_mode,
-                "max_tokens": run.max_tokens, "repeat": run.repeat, **_versus_best(rates, "auto"),
+                "max_tokens": run.max_tokens, "repeat": run.repeat, "tok_s": versus["tok_s"],
+                "best_fixed": versus["best_fixed"], "auto_over_best": versus["over_best"]["auto"],
                 "auto_decisions": ["on" if d else "off" for d in switch.decisions],
                 "auto_measured_s_per_token": {("on" if a else "off"): v for a, v in switch.measured.items()},
                 "ids_identical": len({tuple(ids) for arm_runs in runs.values() for ids, _ in arm_runs}) == 1}
@@ -85,16 +98,21 @@ def auto_table(report: dict, what: str) -> str:
     cpu = report.get("cpu_ms_per_token", {})
     body = [[name, v["median"], v["min"], v["max"], v["median"] / best, *([cpu[name]] if cpu else [])]
             for name, v in report["tok_s"].items()]
-    detail = (f"by CPU time, auto / best fixed ({report['best_fixed_by_cpu']}): {report['auto_over_best_by_cpu']:.3f}; "
-              f"auto's steps by K in the last round: {report['auto_k_steps']}, its head's catch-ups "
-              f"{report['auto_catch_up_ms_per_round'][-1]:.1f} ms; every run's ids equal greedy's: "
-              f"{report['ids_equal_greedy']}" if what == "K" else
-              f"auto's decisions: {report['auto_decisions']}, its last probes (s per token): "
-              f"{report['auto_measured_s_per_token']}; ids identical across arms: {report['ids_identical']}")
+    if what == "K":
+        detail = "; ".join(
+            f"{name} / best fixed ({report['best_fixed']}): {report[key + '_over_best']:.3f}, by CPU time "
+            f"({report['best_fixed_by_cpu']}) {report[key + '_over_best_by_cpu']:.3f}, steps by K in the last round "
+            f"{report[key + '_k_steps']}, head catch-ups {report[key + '_catch_up_ms_per_round'][-1]:.1f} ms"
+            for name, key in ((name, name.replace(" ", "_")) for name in AUTO_ARMS))
+        detail += f"; every run's ids equal greedy's: {report['ids_equal_greedy']}"
+    else:
+        detail = (f"auto / best fixed ({report['best_fixed']}): {report['auto_over_best']:.3f}; auto's decisions: "
+                  f"{report['auto_decisions']}, its last probes (s per token): {report['auto_measured_s_per_token']}; "
+                  f"ids identical across arms: {report['ids_identical']}")
     headers = [what, "tok/s (median)", "min", "max", f"x best fixed {what}", *(["CPU ms/token (median)"] if cpu else [])]
     return (tabulate(body, headers=headers, floatfmt=".3f")
             + f"\npool {report['pool_slots']} slots, {report['max_tokens']} tokens x {report['repeat']} rounds, arms "
-              f"interleaved. auto / best fixed ({report['best_fixed']}): {report['auto_over_best']:.3f}; {detail}")
+              f"interleaved. {detail}")
 
 
 #: The rows of ``prefetch_report``: (label, pool at its minimum, prefetch, ahead, mult).

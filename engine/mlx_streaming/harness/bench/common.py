@@ -161,9 +161,9 @@ def _interleaved(label: str, arms: dict, run: RunSettings) -> tuple:
     return rates, runs
 
 
-def _versus_best(rates: dict, auto) -> dict:
-    """Medians per arm, the best arm that is not ``auto``, and auto over it."""
+def _versus_best(rates: dict, autos: tuple) -> dict:
+    """Medians per arm, the best arm that is not one of ``autos``, and each of those over it."""
     medians = {name: statistics.median(v) for name, v in rates.items()}
-    best = max((name for name in rates if name != auto), key=medians.get)
+    best = max((name for name in rates if name not in autos), key=medians.get)
     return {"tok_s": {str(name): _spread(v) for name, v in rates.items()}, "best_fixed": best,
-            "auto_over_best": medians[auto] / medians[best]}
+            "over_best": {name: medians[name] / medians[best] for name in autos}}
