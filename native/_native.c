@@ -55,12 +55,19 @@ static uint32_t crc32c(uint32_t crc, const unsigned char *p, size_t n) {
 
 /* ------------------------------------------------------------------ one read */
 
+/* A part of a request's destination: the request's bytes fill its pieces in order. */
+typedef struct {
+    unsigned char *dest;
+    int64_t length;
+} piece_t;
+
 typedef struct {
     int fd;
     int aligned;       /* O_DIRECT: read the aligned superset into a bounce buffer */
     int64_t offset;
     int64_t length;
-    unsigned char *dest;
+    piece_t *pieces;   /* where the bytes go (their lengths sum to length): one buffer, or several in a row */
+    Py_ssize_t n_pieces;
     int64_t got;       /* bytes of [offset, offset + length) delivered */
     int err;           /* errno, 0 if none */
     int finished;      /* set by the worker that ran it, under pool_lock */
@@ -88,9 +95,15 @@ static int64_t pread_full(int fd, unsigned char *buf, int64_t want, int64_t offs
 }
 
 static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_size) {
-    if (!rq->aligned) {
-        int64_t r = pread_full(rq->fd, rq->dest, rq->length, rq->offset);
-        if (r < 0) rq->err = errno; else rq->got = r;
+    if (!rq->aligned) { /* each piece read in place */
+        int64_t at = 0;
+        for (Py_ssize_t k = 0; k < rq->n_pieces; k++) {
+            int64_t r = pread_full(rq->fd, rq->pieces[k].dest, rq->pieces[k].length, rq->offset + at);
+            if (r < 0) { rq->err = errno; break; }
+            at += r;
+            if (r < rq->pieces[k].length) break;
+        }
+        rq->got = at;
         return;
     }
     int64_t start = rq->offset - rq->offset % ALIGN;
@@ -109,7 +122,12 @@ static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_s
     int64_t useful = r - (rq->offset - start);
     if (useful < 0) useful = 0;
     if (useful > rq->length) useful = rq->length;
-    memcpy(rq->dest, *bounce + (rq->offset - start), (size_t)useful);
+    int64_t at = 0; /* the useful bytes, copied into the pieces in order */
+    for (Py_ssize_t k = 0; k < rq->n_pieces && at < useful; k++) {
+        int64_t n = useful - at < rq->pieces[k].length ? useful - at : rq->pieces[k].length;
+        memcpy(rq->pieces[k].dest, *bounce + (rq->offset - start) + at, (size_t)n);
+        at += n;
+    }
     rq->got = useful;
 }
 
@@ -203,27 +221,41 @@ static void init_batch(batch_t *b, request_t *reqs, Py_ssize_t n) {
 
 /* ------------------------------------------------------------------ Python entry points */
 
-/* Parse (fd, offset, length, writable buffer, aligned) items into requests whose destinations are the buffers'
- * memory, held in views[0, *held). Returns 0, or -1 with a Python error set. */
-static int parse_requests(PyObject *items, request_t *reqs, Py_buffer *views, Py_ssize_t *held) {
+/* The destination of a request: one writable buffer, or a list or tuple of them (filled in order). */
+static Py_ssize_t destination_count(PyObject *destination) {
+    return PyList_Check(destination) || PyTuple_Check(destination) ? PySequence_Size(destination) : 1;
+}
+
+/* Parse (fd, offset, length, destination, aligned) items into requests whose pieces are the destination buffers'
+ * memory (pieces[], a run per request), each held in views[0, *held). Returns 0, or -1 with a Python error set. */
+static int parse_requests(PyObject *items, request_t *reqs, piece_t *pieces, Py_buffer *views, Py_ssize_t *held) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
-    for (; *held < n; (*held)++) {
-        Py_ssize_t i = *held;
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(items, i);
         request_t *rq = &reqs[i];
         long long offset, length;
-        PyObject *buffer;
-        if (!PyArg_ParseTuple(item, "iLLOp", &rq->fd, &offset, &length, &buffer, &rq->aligned)) return -1;
-        if (PyObject_GetBuffer(buffer, &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
-        if (length < 0 || offset < 0 || views[i].len < length) {
-            PyErr_Format(PyExc_ValueError, "request %zd: buffer of %zd bytes for a read of %lld", i, views[i].len,
-                         length);
-            PyBuffer_Release(&views[i]);
+        PyObject *destination;
+        if (!PyArg_ParseTuple(item, "iLLOp", &rq->fd, &offset, &length, &destination, &rq->aligned)) return -1;
+        int several = PyList_Check(destination) || PyTuple_Check(destination);
+        rq->n_pieces = destination_count(destination);
+        rq->pieces = pieces + *held;
+        int64_t room = 0;
+        for (Py_ssize_t k = 0; k < rq->n_pieces; k++) {
+            PyObject *buffer = several ? PySequence_Fast_GET_ITEM(destination, k) : destination;
+            if (PyObject_GetBuffer(buffer, &views[*held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+            rq->pieces[k].dest = views[*held].buf;
+            rq->pieces[k].length = views[*held].len;
+            room += views[*held].len;
+            (*held)++;
+        }
+        if (length < 0 || offset < 0 || (several ? room != length : room < length)) {
+            PyErr_Format(PyExc_ValueError, "request %zd: destination of %lld bytes for a read of %lld", i,
+                         (long long)room, length);
             return -1;
         }
+        if (!several) rq->pieces[0].length = length;
         rq->offset = offset;
         rq->length = length;
-        rq->dest = views[i].buf;
     }
     return 0;
 }
@@ -233,6 +265,7 @@ static int parse_requests(PyObject *items, request_t *reqs, Py_buffer *views, Py
 typedef struct {
     PyObject_HEAD
     batch_t batch;
+    piece_t *pieces;
     Py_buffer *views;
     Py_ssize_t held;
     int submitted;
@@ -247,6 +280,7 @@ static void pending_dealloc(PendingObject *self) {
     pthread_cond_destroy(&self->batch.finished);
     for (Py_ssize_t i = 0; i < self->held; i++) PyBuffer_Release(&self->views[i]);
     free(self->views);
+    free(self->pieces);
     free(self->batch.reqs);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -320,9 +354,10 @@ static PyTypeObject PendingType = {
 
 PyDoc_STRVAR(read_start_doc,
 "read_start(requests, threads) -> PendingReads\n\n"
-"requests: a sequence of (fd, offset, length, writable buffer, aligned). Queues every read on the native\n"
-"pool (at least `threads` threads) and returns at once; the result's wait(upto) blocks until the first\n"
-"`upto` have finished. The buffers are held until every read has finished.");
+"requests: a sequence of (fd, offset, length, destination, aligned), the destination a writable buffer or a\n"
+"list of them whose lengths sum to the read's (filled in order: a read lands in several places). Queues every\n"
+"read on the native pool (at least `threads` threads) and returns at once; the result's wait(upto) blocks until\n"
+"the first `upto` have finished. The buffers are held until every read has finished.");
 
 static PyObject *py_read_start(PyObject *self, PyObject *args) {
     PyObject *seq;
@@ -333,13 +368,20 @@ static PyObject *py_read_start(PyObject *self, PyObject *args) {
     if (!items) return NULL;
     PendingObject *p = PyObject_New(PendingObject, &PendingType);
     if (!p) { Py_DECREF(items); return NULL; }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
-    init_batch(&p->batch, calloc(n ? n : 1, sizeof(request_t)), n);
-    p->views = calloc(n ? n : 1, sizeof(Py_buffer));
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items), total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+        Py_ssize_t count = PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 5 ? destination_count(PyTuple_GET_ITEM(item, 3)) : 1;
+        total += count > 0 ? count : 1;
+    }
+    init_batch(&p->batch, calloc(n > 0 ? (size_t)n : 1, sizeof(request_t)), n);
+    p->pieces = calloc(total > 0 ? (size_t)total : 1, sizeof(piece_t));
+    p->views = calloc(total > 0 ? (size_t)total : 1, sizeof(Py_buffer));
     p->held = 0;
     p->submitted = 0;
-    if (!p->batch.reqs || !p->views) PyErr_NoMemory();
-    int ok = p->batch.reqs && p->views && parse_requests(items, p->batch.reqs, p->views, &p->held) == 0;
+    if (!p->batch.reqs || !p->pieces || !p->views) PyErr_NoMemory();
+    int ok = p->batch.reqs && p->pieces && p->views &&
+             parse_requests(items, p->batch.reqs, p->pieces, p->views, &p->held) == 0;
     Py_DECREF(items);
     if (!ok) { Py_DECREF(p); return NULL; }
     if (n) {

@@ -59,6 +59,35 @@ def test_native_and_twin_read_the_disks_bytes(model_dir, aligned):
             os.close(fd)
 
 
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("impl", ["native", "twin"])
+def test_one_read_lands_in_several_buffers_in_order(tmp_path, impl, aligned):
+    """A read's destination can be a list of buffers (the pool slots a merged read fills): its bytes fill them in
+    order; a short read fills them as far as the file goes; a list that does not sum to the read is refused."""
+    if impl == "native" and not native.NATIVE:
+        assert TWIN_FORCED
+        return
+    read_start = native._native.read_start if impl == "native" else native.py_read_start
+    data = np.random.default_rng(1).integers(0, 256, 3 * native.ALIGN + 123, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    try:
+        fd = native.open_uncached(str(path)) if aligned else os.open(path, os.O_RDONLY)
+    except OSError as exc:  # tmpfs, for one, refuses O_DIRECT
+        pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads ({exc.strerror})")
+    try:
+        pieces = [np.zeros(n, np.uint8) for n in (1000, 5000, 3)]
+        assert read_start([(fd, 77, 6003, pieces, aligned)], 2).wait(1) is None
+        assert np.concatenate(pieces).tobytes() == data[77:77 + 6003].tobytes()
+        tail = [np.zeros(n, np.uint8) for n in (100, 400)]  # 123 + 4096 * 3 bytes: 300 of 500 are there
+        assert read_start([(fd, data.size - 300, 500, tail, aligned)], 1).wait(1) == (0, 0, 300)
+        assert np.concatenate(tail)[:300].tobytes() == data[-300:].tobytes()
+        with pytest.raises(ValueError):
+            read_start([(fd, 0, 100, [np.zeros(60, np.uint8), np.zeros(60, np.uint8)], aligned)], 1)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("impl", ["native", "twin"])
 def test_reads_past_the_end_and_bad_descriptors_are_reported(tmp_path, impl):
     if impl == "native" and not native.NATIVE:

@@ -12,6 +12,7 @@ from mlx_streaming.decode.greedy import greedy_generate
 from mlx_streaming.io.reader import ExpertReader
 from mlx_streaming.model import build_streaming_model
 from mlx_streaming.residency import loader
+from mlx_streaming.residency import pool as pool_module
 from mlx_streaming.residency.pool import WRITES
 
 
@@ -143,6 +144,40 @@ def test_every_way_of_writing_a_load_leaves_the_same_pool(model_dir, prompt_ids)
     for writes in ("staged", "scatter", "slots"):
         assert (pools["host"][0] == pools[writes][0]).all()
         assert all((pools["host"][1][n] == pools[writes][1][n]).all() for n in pools["host"][1])
+
+
+@pytest.mark.parametrize("writes", ["host", "staged"])
+def test_a_loads_reads_land_in_the_pool_or_its_staging_rows_with_no_copy_after(model_dir, prompt_ids, writes):
+    """Where the pool can take a tensor's bytes in place (host writes: the slot's own memory; staged: a staging row)
+    the reader's threads put them there: the loader copies nothing of a demand load, each placed expert still
+    matches its bytes, and the ids are greedy's."""
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=12, verify=True)) as sm:
+        reference = greedy_generate(sm.model, prompt_ids[1], 12)
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=12, verify=True)) as sm:
+        pool = sm.store.pool
+        pool.use_writes(writes)
+        copies, write_tensor = [], pool.write_tensor
+        pool.write_tensor = lambda *args: copies.append(args) or write_tensor(*args)
+        assert greedy_generate(sm.model, prompt_ids[1], 12) == reference
+        stats = sm.store.stats()
+    assert stats["misses"] > 0 and stats["verify_ok"] == stats["misses"] and stats["verify_bad"] == 0
+    assert copies == []  # every tensor read in place: none handed to the pool to copy
+
+
+def test_prefetched_experts_and_a_loads_reads_never_share_a_staging_row(model_dir, prompt_ids, monkeypatch):
+    """A load places the prefetcher's experts (copied into staging rows at once) before its own reads claim rows
+    to land in; with a few rows the ring comes round within loads, and no row is written twice before its copy
+    has run: every placed expert matches its bytes and the ids are greedy's."""
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=16)) as sm:
+        reference = greedy_generate(sm.model, prompt_ids[1], 24)
+    monkeypatch.setattr(pool_module, "STAGING_ROWS", 4)
+    config = StreamingConfig(pool_slots=16, verify=True, prefetch=True, prefetch_ahead=0, prefetch_mult=2)
+    with build_streaming_model(model_dir, config) as sm:
+        sm.store.pool.use_writes("staged")
+        assert greedy_generate(sm.model, prompt_ids[1], 24) == reference
+        stats = sm.store.stats()
+    assert stats["prefetched"] > 0 and stats["misses"] > stats["prefetched"]  # loads of both kinds
+    assert stats["verify_ok"] == stats["misses"] and stats["verify_bad"] == 0
 
 
 class _Reported:

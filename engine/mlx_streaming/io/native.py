@@ -20,8 +20,9 @@ from typing import Optional, Sequence, Tuple
 ALIGN = 4096
 #: fcntl's F_NOCACHE on macOS (not every Python's fcntl module names it).
 F_NOCACHE = 48
-#: ``(fd, offset, length, writable buffer, aligned)``: ``aligned`` reads the 4096-aligned superset of the
-#: range through a bounce buffer (O_DIRECT needs aligned offsets, lengths and memory).
+#: ``(fd, offset, length, destination, aligned)``: the destination a writable buffer, or a list of them whose lengths
+#: sum to the read's, filled in order (one read landing in several places); ``aligned`` reads the 4096-aligned
+#: superset of the range through a bounce buffer (O_DIRECT needs aligned offsets, lengths and memory).
 ReadRequest = Tuple[int, int, int, object, bool]
 #: ``None``, or the first failing request's ``(index, errno, bytes delivered)``; errno 0 is a short read.
 ReadFailure = Optional[Tuple[int, int, int]]
@@ -94,17 +95,32 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
+def _pieces(destination, length: int) -> list:
+    """A request's destination as byte views in order (one buffer: its first ``length`` bytes)."""
+    if isinstance(destination, (list, tuple)):
+        pieces = [memoryview(b).cast("B") for b in destination]
+        if sum(len(p) for p in pieces) != length:
+            raise ValueError(f"destination of {sum(len(p) for p in pieces)} bytes for a read of {length}")
+        return pieces
+    return [memoryview(destination).cast("B")[:length]]
+
+
 def _read_in_order(requests: Sequence[ReadRequest]) -> ReadFailure:
     """One request after another on the calling thread (``os.preadv`` releases the GIL while it reads)."""
     import mmap
 
     bounce = None
     try:
-        for i, (fd, offset, length, buffer, aligned) in enumerate(requests):
-            dest = memoryview(buffer).cast("B")
+        for i, (fd, offset, length, destination, aligned) in enumerate(requests):
+            pieces = _pieces(destination, length)
             try:
                 if not aligned:
-                    got = _pread_full(fd, dest[:length], offset)
+                    got = 0
+                    for piece in pieces:
+                        n = _pread_full(fd, piece, offset + got)
+                        got += n
+                        if n < len(piece):
+                            break
                 else:
                     start = offset - offset % ALIGN
                     span = -(-(offset + length - start) // ALIGN) * ALIGN
@@ -112,7 +128,13 @@ def _read_in_order(requests: Sequence[ReadRequest]) -> ReadFailure:
                         bounce = mmap.mmap(-1, span)
                     raw = _pread_full(fd, memoryview(bounce)[:span], start)
                     got = min(length, max(0, raw - (offset - start)))
-                    dest[:got] = bounce[offset - start:offset - start + got]
+                    at = offset - start
+                    for piece in pieces:
+                        n = min(len(piece), offset - start + got - at)
+                        if n <= 0:
+                            break
+                        piece[:n] = bounce[at:at + n]
+                        at += n
             except OSError as exc:
                 return i, exc.errno or errno.EIO, 0
             if got != length:

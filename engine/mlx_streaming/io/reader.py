@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -81,10 +81,12 @@ class ExpertReader:
         """The reads themselves, as a method so a test can inject faults beneath the error handling."""
         return native.read_start(requests, self.threads)
 
-    def start(self, ranges: Sequence[tuple]) -> "PendingRead":
+    def start(self, ranges: Sequence[tuple], into: Optional[Sequence[np.ndarray]] = None) -> "PendingRead":
         """Issue the reads of ``[(path, offset, nbytes), ...]`` as one batch and return at once; the result hands
         each range's bytes over in order as they arrive. Consecutive ranges that lie back to back in one file are
-        fetched by one read (a packed expert is one read)."""
+        fetched by one read (a packed expert is one read). With ``into`` (a writable uint8 buffer per range, of
+        its length: where its bytes are to be placed) each range's bytes land there, a merged read's in its
+        ranges' buffers in order, copied by the reading threads; else in one block the reader allocates."""
         spans = []  # (path, offset, nbytes, first range, end range)
         i = 0
         while i < len(ranges):
@@ -95,16 +97,21 @@ class ExpertReader:
                 j += 1
             spans.append((path, offset, end - offset, i, j))
             i = j
-        block = np.empty(sum(span[2] for span in spans), dtype=np.uint8)  # one allocation, a view per span
-        buffers, requests, at = [], [], 0
-        for path, offset, n, _, _ in spans:
-            buffers.append(block[at:at + n])
-            at += n
+        if into is None:
+            block = np.empty(sum(span[2] for span in spans), dtype=np.uint8)  # one allocation, a view per span
+            buffers, at = [], 0
+            for _, _, n, _, _ in spans:
+                buffers.append(block[at:at + n])
+                at += n
+        else:
+            buffers = [list(into[first:end]) for *_, first, end in spans]
+        requests = []
+        for (path, offset, n, _, _), buffer in zip(spans, buffers):
             fd, aligned = self._file(path)
-            requests.append((fd, offset, n, buffers[-1], aligned))
+            requests.append((fd, offset, n, buffer, aligned))
         pending = self._read_start(requests)
         self.reads += len(requests)
-        return PendingRead(ranges, spans, buffers, pending)
+        return PendingRead(ranges, spans, buffers if into is None else None, pending, into)
 
     def read(self, ranges: Sequence[tuple]) -> List[np.ndarray]:
         """``[(path, offset, nbytes), ...]`` -> one uint8 array per range, in order, once all have arrived."""
@@ -119,8 +126,10 @@ class ExpertReader:
 class PendingRead:
     """One batch of reads in flight (``ExpertReader.start``): ``take`` hands its ranges' bytes over in order."""
 
-    def __init__(self, ranges: Sequence[tuple], spans: list, buffers: List[np.ndarray], pending):
-        self._ranges, self._spans, self._buffers, self._pending = ranges, spans, buffers, pending
+    def __init__(self, ranges: Sequence[tuple], spans: list, buffers: Optional[List[np.ndarray]], pending,
+                 into: Optional[Sequence[np.ndarray]] = None):
+        """``buffers``: one per span, where the ranges' bytes are not read ``into`` buffers of their own."""
+        self._ranges, self._spans, self._buffers, self._pending, self._into = ranges, spans, buffers, pending, into
         #: Ranges handed over so far.
         self.taken = 0
         #: Seconds ``take`` blocked waiting for bytes.
@@ -149,13 +158,21 @@ class PendingRead:
                 error = ExpertIOError(f"{path}: short read, {got} of {n} bytes at offset {offset}")
             error.range_index = first  # which of ``ranges`` failed (the caller knows whose bytes they are)
             raise error
-        out = []
-        for r in range(self.taken, upto):
-            path, start_at, n = self._ranges[r]
-            _, offset, *_ = self._spans[self._span_of[r]]
-            out.append(self._buffers[self._span_of[r]][start_at - offset:start_at - offset + n])
+        if self._into is not None:
+            out = list(self._into[self.taken:upto])
+        else:
+            out = []
+            for r in range(self.taken, upto):
+                path, start_at, n = self._ranges[r]
+                _, offset, *_ = self._spans[self._span_of[r]]
+                out.append(self._buffers[self._span_of[r]][start_at - offset:start_at - offset + n])
         self.taken = upto
         return out
+
+    def settle(self) -> None:
+        """Wait until every read of the batch has finished, failed ones included (after a failure, before the
+        buffers they write into are given to anything else)."""
+        self._pending.wait(len(self._spans))
 
     @property
     def elapsed(self) -> float:

@@ -1,8 +1,10 @@
 """ExpertLoader: brings missing experts into a layer's pool. Bytes staged by the prefetcher are taken, the rest
-read in one batch. The read experts get their slots at once and each tensor is written as soon as its bytes have
-arrived, while the reader still reads the rest (an expert whose bytes do not all arrive gives its slot back: a
-failed read leaves no expert half placed), except where the pool places a load with one scatter per tensor (then
-every byte arrives first). The byte verifier, where there is one, checks each expert placed.
+read in one batch. The read experts get their slots first, and where the pool can take a tensor's bytes in place
+(its slot's own memory where the device computes in host memory, a staging row on a GPU: ``ExpertPool.landings``)
+the reader's threads put them there, with no copy after; each tensor is placed as soon as its bytes have arrived,
+while the reader still reads the rest (an expert whose bytes do not all arrive gives its slot back: a failed read
+leaves no expert half placed), except where the pool places a load with one scatter per tensor (then every byte
+arrives first, into the reader's buffers). The byte verifier, where there is one, checks each expert placed.
 
 Placement does not wait for the device: host writes land at once (``ExpertPool.writes``), array writes are
 evaluated with the layer that computes over them (queued as soon as that layer is built). Both are safe because
@@ -46,32 +48,38 @@ class ExpertLoader:
             return
         tensors = [(e, s) for e in demand for s in self.index.slices(layer, e)]  # in the order they are read
         per_expert = len(tensors) // len(demand)
-        reading = self.reader.start([(s.path, s.offset, s.nbytes) for _, s in tensors])
+        ranges = [(s.path, s.offset, s.nbytes) for _, s in tensors]
         self.counters.demand_bytes += sum(s.nbytes for _, s in tensors)
         try:
             if self.pool.writes == "scatter":  # one scatter per tensor for the whole load: every byte first
+                reading = self.reader.start(ranges)
                 buffers = reading.take(len(tensors))
                 staged.update((e, buffers[i * per_expert:(i + 1) * per_expert]) for i, e in enumerate(demand))
                 self._place(layer, experts, staged, protected)
             else:
-                if staged:
-                    self._place(layer, list(staged), staged, protected)
-                self._place_as_read(layer, demand, tensors, per_expert, reading, protected)
+                reading = self._place_as_read(layer, demand, tensors, per_expert, ranges, staged, protected)
         except ExpertIOError as exc:
             raise ExpertIOError(f"layer {layer} expert {demand[exc.range_index // per_expert]}: {exc}") from None
         self.counters.read_s += reading.elapsed
         self.counters.read_wait_s += reading.waited_s
 
-    def _place_as_read(self, layer: int, demand: List[int], tensors: list, per_expert: int, reading: PendingRead,
-                       protected: set) -> None:
-        """Give ``demand`` their slots, then write each of their ``tensors`` (expert, slice; ``per_expert`` per
-        expert) once its bytes have arrived, in batches of at least ``PLACE_BATCH_BYTES`` and every tensor that has
-        arrived, while the reader reads the rest; an expert whose bytes do not all arrive gets no slot."""
+    def _place_as_read(self, layer: int, demand: List[int], tensors: list, per_expert: int, ranges: list,
+                       staged: Dict[int, list], protected: set) -> PendingRead:
+        """Give ``demand`` their slots and read their ``tensors`` (expert, slice; ``per_expert`` per expert; at
+        ``ranges``) where the pool can take them in place (``ExpertPool.landings``: the slots' own memory, or
+        staging rows), else into the reader's buffers, after placing the prefetcher's ``staged`` experts; then
+        place each tensor once its bytes have arrived, in batches of at least ``PLACE_BATCH_BYTES`` and
+        every tensor that has arrived, while the reader reads the rest. An expert whose bytes do not all arrive
+        gets no slot. Returns the reads, finished."""
+        if staged:  # first: a staging row the pool copies these from is never one the reads below land in
+            self._place(layer, list(staged), staged, protected)
         start = time.perf_counter()
         placed, evictions = self.pool.assign(layer, demand, protected)
+        slots = dict(placed)
+        landings = self.pool.landings(layer, [(expert, slots[expert]) for expert in demand])
         self.counters.evictions += evictions
         self.counters.place_s += time.perf_counter() - start
-        slots = dict(placed)
+        reading = self.reader.start(ranges, into=None if landings is None else [buf for buf, _ in landings])
         step = max(1, PLACE_BATCH_BYTES * per_expert // self.index.expert_bytes)  # tensors
         written = 0
         try:
@@ -79,8 +87,11 @@ class ExpertLoader:
                 ready = min(len(tensors), max(written + step, reading.arrived()))
                 buffers = reading.take(ready)
                 start = time.perf_counter()
-                for (expert, tensor), buf in zip(tensors[written:ready], buffers):
-                    self.pool.write_tensor(layer, slots[expert], tensor, buf)
+                for i, ((expert, tensor), buf) in enumerate(zip(tensors[written:ready], buffers), written):
+                    if landings is None:
+                        self.pool.write_tensor(layer, slots[expert], tensor, buf)
+                    else:
+                        self.pool.landed(layer, slots[expert], tensor, landings[i][1])
                 self.counters.place_s += time.perf_counter() - start
                 self.counters.pool_writes += ready - written
                 if self.verifier is not None:  # the experts whose every tensor is now written
@@ -88,8 +99,10 @@ class ExpertLoader:
                         self.verifier.check(layer, expert, self.pool.arrays[layer], slots[expert])
                 written = ready
         except ExpertIOError:
+            reading.settle()  # no read still writes into a slot given back
             self.pool.release(layer, demand[written // per_expert:])
             raise
+        return reading
 
     def _staged(self, layer: int, experts: List[int]) -> Dict[int, list]:
         """The host buffers the prefetcher staged for any of ``experts``, taken from it."""

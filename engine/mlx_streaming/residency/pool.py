@@ -5,14 +5,15 @@ The pool arrays are what the streaming switch computes with. How a load's bytes 
 chosen per backend when the pool is built:
 
 - ``host``: where the device computes in the host's memory (MLX's CPU backend, Apple silicon's unified memory),
-  each tensor's bytes are copied into the pool array's own memory through a NumPy view of it: one memcpy, no
-  array operation. Chosen only when a probe at build finds that a write through the view reaches the array;
+  each tensor's bytes go into the pool array's own memory through a NumPy view of it, no array operation: a load's
+  reads land there (``landings``), the prefetcher's staged bytes are copied in. Chosen only when a probe at build
+  finds that a write through the view reaches the array;
 - ``staged``: a GPU with memory of its own whose arrays are managed memory the host can view (MLX's CUDA
-  backend), for large experts: each tensor's bytes are copied through a NumPy view into a row of a persistent
-  staging array that the GPU is advised to read where it lies (``cuda_advice``), then one slot write per tensor
-  per expert copies the row into the pool on the device: no array made per buffer, no page migrated. Chosen where
-  the driver takes the advice; on an H100, 64 experts of the real geometry were placed at 4.7-5.8 GB/s this way
-  against 1.8-2.1 GB/s by slot writes of host arrays made per buffer;
+  backend), for large experts: each tensor's bytes go through a NumPy view into a row of a persistent staging
+  array that the GPU is advised to read where it lies (``cuda_advice``; a load's reads land in the rows), then one
+  slot write per tensor per expert copies the row into the pool on the device: no array made per buffer, no page
+  migrated. Chosen where the driver takes the advice; on an H100, 64 experts of the real geometry were placed at
+  4.7-5.8 GB/s this way against 1.8-2.1 GB/s by slot writes of host arrays made per buffer;
 - ``scatter``: a GPU with memory of its own, for small experts (below ``SCATTER_BELOW``, where MLX's cost per
   operation outweighs the bytes): one host array of the whole load and one scatter per expert tensor;
 - ``slots``: elsewhere, one slot write (``arrays[slot] = x``, in place: nothing else holds the buffer) per tensor
@@ -194,6 +195,27 @@ class ExpertPool:
         else:
             self.arrays[layer][tensor.tensor][slot] = _to_mx(buf, tensor.dtype, tensor.shape)
 
+    def landings(self, layer: int, placed: List[Tuple[int, int]]) -> Optional[List[Tuple[np.ndarray, Optional[mx.array]]]]:
+        """Where the reader can put each tensor of ``placed`` ((expert, slot) pairs, assigned; each expert's tensors
+        in ``index.slices`` order) so that no copy follows: per tensor a writable uint8 buffer of its bytes and what
+        ``landed`` then copies into the slot (None: the buffer is the slot's own memory, ``host`` writes; else a
+        staging row, ``staged``). None where this pool writes loads otherwise (``scatter``, ``slots``, or a load of
+        more experts than the staging rows)."""
+        if self.writes == "host":
+            views = self.host_views[layer]
+            return [(views[s.tensor][slot], None) for expert, slot in placed for s in self.index.slices(layer, expert)]
+        if self.writes == "staged" and len(placed) <= STAGING_ROWS:
+            return [self.staging[s.tensor].claim(self.arrays) for expert, _ in placed
+                    for s in self.index.slices(layer, expert)]
+        return None
+
+    def landed(self, layer: int, slot: int, tensor, source: Optional[mx.array]) -> None:
+        """``tensor``'s bytes have arrived in their landing buffer (``landings``): a staging row (``source``) is
+        copied into ``slot``; bytes in the slot's own memory are placed already."""
+        if source is not None:
+            self.arrays[layer][tensor.tensor][slot] = source
+            self.staging[tensor.tensor].written.add(layer)
+
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """``experts``, assigned slots whose bytes did not all arrive, are not resident after all."""
         self.book.release(layer, experts)
@@ -266,15 +288,21 @@ class _StagingRows:
         self.used = 0
         self.written: Set[int] = set()  #: layers whose pool arrays took a copy from these rows since they were free
 
-    def put(self, buf: np.ndarray, arrays: Dict[int, Dict[str, mx.array]], layer: int) -> mx.array:
-        """``buf`` in the next row, and that row (to be copied into ``layer``'s pool array, one of ``arrays``)."""
+    def claim(self, arrays: Dict[int, Dict[str, mx.array]]) -> Tuple[np.ndarray, mx.array]:
+        """The next row: its host view, to be written, and the row, to be copied into a pool array (one of
+        ``arrays``) once written; the copy's layer goes into ``written``."""
         if self.used == STAGING_ROWS:
             mx.eval([arrays[written][self.name] for written in self.written])
             self.used, self.written = 0, set()
-        self.view[self.used] = buf
         self.used += 1
+        return self.view[self.used - 1], self.array[self.used - 1]
+
+    def put(self, buf: np.ndarray, arrays: Dict[int, Dict[str, mx.array]], layer: int) -> mx.array:
+        """``buf`` in the next row, and that row (to be copied into ``layer``'s pool array, one of ``arrays``)."""
+        view, row = self.claim(arrays)
+        view[...] = buf
         self.written.add(layer)
-        return self.array[self.used - 1]
+        return row
 
 
 def computes_in_host_memory() -> bool:
