@@ -172,7 +172,8 @@ BENCH_MODES = (
                    "(greedy; at the benchmark's default pool and io mode unless given)"),
     ("--prefetch-report", None, "greedy: naive, the pool, the pool + prefetch (ahead 0/1, mult 1/2) side by side, with "
                                 "diagnostics"),
-    ("--k-report", None, "MTP speculation at K = 1, 2, 3, 4 and auto, interleaved: tok/s and auto over the best K"),
+    ("--k-report", None, "MTP speculation at K = 1, 2, 3, 4 and auto (new per run, and kept across runs), interleaved: "
+                         "tok/s and auto over the best K"),
     ("--prefetch-auto-report", None, "greedy with prefetch off, on and auto, interleaved: tok/s and auto over the "
                                      "better"),
     ("--overhead", None, "the engine's own cost per token: in-memory vs streaming with the miss check per layer and "
