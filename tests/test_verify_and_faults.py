@@ -122,3 +122,20 @@ def test_a_read_failing_mid_load_leaves_the_experts_before_it_placed_and_the_res
         assert book.resident(layer) == list(range(8))
         assert store.stats()["evictions"] == 0 and store.stats()["verify_ok"] == 8
         reader.close()
+
+
+def test_a_shard_that_will_not_open_fails_the_load_and_leaves_its_experts_out(model_dir, monkeypatch):
+    """The reads start after the load's experts are given their slots: a shard that cannot be opened then (moved
+    away mid-run) fails the load with the reader's own message, and its experts give their slots back."""
+    with build_streaming_model(model_dir, StreamingConfig(pool_slots=8)) as sm:
+        store, layer = sm.store, sm.store.index.layers[0]
+
+        def refused(path):
+            raise ExpertIOError(f"{path}: cannot open expert shard (No such file or directory)")
+
+        monkeypatch.setattr(store.reader, "_file", refused)
+        with pytest.raises(ExpertIOError, match="cannot open expert shard"):
+            store.acquire(layer, [0, 1, 2])
+        assert store.pool.book.resident(layer) == []
+        monkeypatch.undo()
+        assert len(store.acquire(layer, [0, 1, 2])) == 3 and store.pool.book.resident(layer) == [0, 1, 2]

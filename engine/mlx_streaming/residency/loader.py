@@ -59,7 +59,10 @@ class ExpertLoader:
             else:
                 reading = self._place_as_read(layer, demand, tensors, per_expert, ranges, staged, protected)
         except ExpertIOError as exc:
-            raise ExpertIOError(f"layer {layer} expert {demand[exc.range_index // per_expert]}: {exc}") from None
+            failed = getattr(exc, "range_index", None)  # None: no read was issued (a shard that will not open)
+            if failed is None:
+                raise
+            raise ExpertIOError(f"layer {layer} expert {demand[failed // per_expert]}: {exc}") from None
         self.counters.read_s += reading.elapsed
         self.counters.read_wait_s += reading.waited_s
 
@@ -79,7 +82,11 @@ class ExpertLoader:
         landings = self.pool.landings(layer, [(expert, slots[expert]) for expert in demand])
         self.counters.evictions += evictions
         self.counters.place_s += time.perf_counter() - start
-        reading = self.reader.start(ranges, into=None if landings is None else [buf for buf, _ in landings])
+        try:
+            reading = self.reader.start(ranges, into=None if landings is None else [buf for buf, _ in landings])
+        except ExpertIOError:
+            self.pool.release(layer, demand)
+            raise
         step = max(1, PLACE_BATCH_BYTES * per_expert // self.index.expert_bytes)  # tensors
         written = 0
         try:
