@@ -371,7 +371,8 @@ static PyObject *py_read_start(PyObject *self, PyObject *args) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(items), total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(items, i);
-        Py_ssize_t count = PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 5 ? destination_count(PyTuple_GET_ITEM(item, 3)) : 1;
+        Py_ssize_t count = PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 5
+                               ? destination_count(PyTuple_GET_ITEM(item, 3)) : 1;
         total += count > 0 ? count : 1;
     }
     init_batch(&p->batch, calloc(n > 0 ? (size_t)n : 1, sizeof(request_t)), n);

@@ -71,7 +71,8 @@ def test_one_k_chooser_kept_across_server_requests_and_every_request_equals_gree
     for prompt in range(len(TEST_PROMPTS)):
         steps = list(loop.engine_step(mx.array(prompt_ids[prompt]), mtp_model.model, engine, max_tokens=n,
                                       sampler=sampler))
-        divergence = first_divergence([token for token, _, _ in steps], oracle.ids(prompt, n), oracle.margins(prompt, n))
+        ids = [token for token, _, _ in steps]
+        divergence = first_divergence(ids, oracle.ids(prompt, n), oracle.margins(prompt, n))
         assert divergence is None or divergence.near_tie, f"prompt {prompt}: {divergence}"
         drafted += sum(from_draft for _, _, from_draft in steps)
     assert engine.chooser.step > n  # one request takes at most n - 1 steps: the chooser counted several

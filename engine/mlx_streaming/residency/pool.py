@@ -195,7 +195,8 @@ class ExpertPool:
         else:
             self.arrays[layer][tensor.tensor][slot] = _to_mx(buf, tensor.dtype, tensor.shape)
 
-    def landings(self, layer: int, placed: List[Tuple[int, int]]) -> Optional[List[Tuple[np.ndarray, Optional[mx.array]]]]:
+    def landings(self, layer: int,
+                 placed: List[Tuple[int, int]]) -> Optional[List[Tuple[np.ndarray, Optional[mx.array]]]]:
         """Where the reader can put each tensor of ``placed`` ((expert, slot) pairs, assigned; each expert's tensors
         in ``index.slices`` order) so that no copy follows: per tensor a writable uint8 buffer of its bytes and what
         ``landed`` then copies into the slot (None: the buffer is the slot's own memory, ``host`` writes; else a
