@@ -22,6 +22,11 @@ K_REPORT = (1, 2, 3, 4, "auto", "auto kept")
 AUTO_ARMS = ("auto", "auto kept")
 
 
+def _report_key(arm: str) -> str:
+    """The prefix of an auto arm's entries in ``k_report``'s dict ("auto kept" -> "auto_kept")."""
+    return arm.replace(" ", "_")
+
+
 def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """MTP speculation at every fixed K and at "auto" (a new chooser per run, and one kept across runs),
     interleaved (``_interleaved``): median decode tok/s per K, each auto over the best fixed K, the same by the
@@ -52,7 +57,7 @@ def k_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict
                   "tok_s_per_round": rates, "cpu_ms_per_token": cpu_ms, "best_fixed_by_cpu": best_cpu,
                   "ids_equal_greedy": all(ids == greedy for arm_runs in runs.values() for ids, _ in arm_runs)}
         for name in AUTO_ARMS:
-            key = name.replace(" ", "_")
+            key = _report_key(name)
             steps = [{str(k): chosen.count(k) for k in sorted(set(chosen))} for _, (_, _, chosen, _) in runs[name]]
             report.update({f"{key}_over_best": versus["over_best"][name],
                            f"{key}_over_best_by_cpu": cpu_ms[best_cpu] / cpu_ms[name],
@@ -103,7 +108,7 @@ def auto_table(report: dict, what: str) -> str:
             f"{name} / best fixed ({report['best_fixed']}): {report[key + '_over_best']:.3f}, by CPU time "
             f"({report['best_fixed_by_cpu']}) {report[key + '_over_best_by_cpu']:.3f}, steps by K in the last round "
             f"{report[key + '_k_steps']}, head catch-ups {report[key + '_catch_up_ms_per_round'][-1]:.1f} ms"
-            for name, key in ((name, name.replace(" ", "_")) for name in AUTO_ARMS))
+            for name, key in ((name, _report_key(name)) for name in AUTO_ARMS))
         detail += f"; every run's ids equal greedy's: {report['ids_equal_greedy']}"
     else:
         detail = (f"auto / best fixed ({report['best_fixed']}): {report['auto_over_best']:.3f}; auto's decisions: "
