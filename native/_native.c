@@ -17,11 +17,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
 #define ALIGN 4096
 #define MAX_THREADS 64
+/* Pieces per preadv (at most IOV_MAX, 1024 on Linux and macOS). */
+#define IOV_BATCH 256
 
 /* ------------------------------------------------------------------ CRC32C (Castagnoli), slicing-by-8 */
 
@@ -63,12 +66,13 @@ typedef struct {
 
 typedef struct {
     int fd;
-    int aligned;       /* O_DIRECT: read the aligned superset into a bounce buffer */
+    int aligned;       /* O_DIRECT: in place where it fits, else the aligned superset through a bounce buffer */
     int64_t offset;
     int64_t length;
     piece_t *pieces;   /* where the bytes go (their lengths sum to length): one buffer, or several in a row */
     Py_ssize_t n_pieces;
     int64_t got;       /* bytes of [offset, offset + length) delivered */
+    int in_place;      /* an aligned read that went straight into its pieces, past the bounce buffer */
     int err;           /* errno, 0 if none */
     int finished;      /* set by the worker that ran it, under pool_lock */
 } request_t;
@@ -94,17 +98,61 @@ static int64_t pread_full(int fd, unsigned char *buf, int64_t want, int64_t offs
     return total;
 }
 
-static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_size) {
-    if (!rq->aligned) { /* each piece read in place */
-        int64_t at = 0;
-        for (Py_ssize_t k = 0; k < rq->n_pieces; k++) {
-            int64_t r = pread_full(rq->fd, rq->pieces[k].dest, rq->pieces[k].length, rq->offset + at);
-            if (r < 0) { rq->err = errno; break; }
-            at += r;
-            if (r < rq->pieces[k].length) break;
+/* Set once a read straight into a destination is refused (EINVAL, EFAULT: memory the kernel cannot DMA into,
+ * such as some device-managed memory); aligned reads then all go through the bounce buffer. */
+static int in_place_refused = 0;
+
+/* Whether an aligned read can skip the bounce buffer: its offset, and every piece's address and length, are
+ * multiples of ALIGN (the packed layout's records into page-aligned rows). */
+static int fits_in_place(const request_t *rq) {
+    if (rq->offset % ALIGN || __atomic_load_n(&in_place_refused, __ATOMIC_RELAXED)) return 0;
+    for (Py_ssize_t k = 0; k < rq->n_pieces; k++)
+        if ((uintptr_t)rq->pieces[k].dest % ALIGN || rq->pieces[k].length % ALIGN) return 0;
+    return 1;
+}
+
+/* Read the pieces in order, in place, from rq->offset: one preadv for them all (a merged read is one system read,
+ * one I/O), again from where a short one stopped; sets got and err. */
+static void read_pieces(request_t *rq) {
+    struct iovec iov[IOV_BATCH];
+    Py_ssize_t k = 0;  /* the first piece not yet full */
+    int64_t into = 0;  /* bytes of piece k already read */
+    int64_t at = 0;
+    while (k < rq->n_pieces) {
+        int n = 0;
+        for (Py_ssize_t j = k; j < rq->n_pieces && n < IOV_BATCH; j++, n++) {
+            int64_t skip = j == k ? into : 0;
+            iov[n].iov_base = rq->pieces[j].dest + skip;
+            iov[n].iov_len = (size_t)(rq->pieces[j].length - skip);
         }
-        rq->got = at;
+        ssize_t r = preadv(rq->fd, iov, n, (off_t)(rq->offset + at));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            rq->err = errno;
+            break;
+        }
+        if (r == 0) break;
+        at += r;
+        into += r;
+        while (k < rq->n_pieces && into >= rq->pieces[k].length) into -= rq->pieces[k++].length;
+    }
+    rq->got = at;
+}
+
+static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_size) {
+    if (!rq->aligned) {
+        read_pieces(rq);
         return;
+    }
+    if (fits_in_place(rq)) {
+        read_pieces(rq);
+        if (!(rq->err == EINVAL || rq->err == EFAULT)) {
+            rq->in_place = 1;
+            return;
+        }
+        __atomic_store_n(&in_place_refused, 1, __ATOMIC_RELAXED);
+        rq->err = 0;
+        rq->got = 0;
     }
     int64_t start = rq->offset - rq->offset % ALIGN;
     int64_t span = ((rq->offset + rq->length - start + ALIGN - 1) / ALIGN) * ALIGN;
@@ -329,6 +377,15 @@ static PyObject *pending_elapsed(PendingObject *self, void *closure) {
     return PyFloat_FromDouble(n ? (double)(finished - started) / 1e9 : 0.0);
 }
 
+static PyObject *pending_in_place(PendingObject *self, void *closure) {
+    (void)closure;
+    Py_ssize_t count = 0;
+    pthread_mutex_lock(&pool_lock);
+    for (Py_ssize_t i = 0; i < self->batch.ready; i++) count += self->batch.reqs[i].in_place;
+    pthread_mutex_unlock(&pool_lock);
+    return PyLong_FromSsize_t(count);
+}
+
 static PyMethodDef pending_methods[] = {
     {"wait", (PyCFunction)pending_wait, METH_VARARGS, pending_wait_doc},
     {"finished", (PyCFunction)pending_finished, METH_NOARGS, pending_finished_doc},
@@ -338,6 +395,9 @@ static PyMethodDef pending_methods[] = {
 static PyGetSetDef pending_getset[] = {
     {"elapsed", (getter)pending_elapsed, NULL,
      "Seconds from the batch's start until its last read finished; None while reads are running.", NULL},
+    {"in_place", (getter)pending_in_place, NULL,
+     "How many of the finished reads, counted from the first, were aligned reads that went straight into their\n"
+     "destination (no bounce buffer).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -88,6 +88,51 @@ def test_one_read_lands_in_several_buffers_in_order(tmp_path, impl, aligned):
         os.close(fd)
 
 
+def _page_aligned(n: int, shift: int = 0) -> np.ndarray:
+    """``n`` zero bytes starting ``shift`` bytes past a 4096-byte boundary."""
+    raw = np.zeros(n + shift + native.ALIGN, np.uint8)
+    start = -raw.ctypes.data % native.ALIGN + shift
+    return raw[start:start + n]
+
+
+@pytest.mark.parametrize("impl", ["native", "twin"])
+def test_an_aligned_read_into_aligned_memory_skips_the_bounce_buffer(tmp_path, impl):
+    """O_DIRECT reads whose offset and every destination's address and length are multiples of 4096 go straight
+    into the destination (counted by ``in_place``); any other goes through the bounce buffer. Both deliver the
+    file's bytes, a read into several buffers included."""
+    if impl == "native" and not native.NATIVE:
+        assert TWIN_FORCED
+        return
+    read_start = native._native.read_start if impl == "native" else native.py_read_start
+    page = native.ALIGN
+    data = np.random.default_rng(2).integers(0, 256, 8 * page, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    try:
+        fd = native.open_uncached(str(path))
+    except OSError as exc:  # tmpfs, for one, refuses O_DIRECT
+        pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads ({exc.strerror})")
+    try:
+        whole, several = _page_aligned(2 * page), [_page_aligned(page), _page_aligned(3 * page)]
+        shifted, odd_length = _page_aligned(2 * page, shift=64), _page_aligned(page + 8)
+        requests = [(fd, 2 * page, 2 * page, whole, True),  # in place
+                    (fd, 4 * page, 4 * page, several, True),  # in place, in two buffers
+                    (fd, page, 2 * page, shifted, True),  # memory not aligned: bounce
+                    (fd, 100, page + 8, odd_length, True)]  # offset and length not aligned: bounce
+        pending = read_start(requests, 2)
+        assert pending.wait(len(requests)) is None
+        assert pending.in_place == 2
+        assert whole.tobytes() == data[2 * page:4 * page].tobytes()
+        assert np.concatenate(several).tobytes() == data[4 * page:].tobytes()
+        assert shifted.tobytes() == data[page:3 * page].tobytes()
+        assert odd_length.tobytes() == data[100:100 + page + 8].tobytes()
+        past_the_end = _page_aligned(2 * page)
+        assert read_start([(fd, 7 * page, 2 * page, past_the_end, True)], 1).wait(1) == (0, 0, page)
+        assert past_the_end[:page].tobytes() == data[7 * page:].tobytes()
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("impl", ["native", "twin"])
 def test_reads_past_the_end_and_bad_descriptors_are_reported(tmp_path, impl):
     if impl == "native" and not native.NATIVE:

@@ -174,3 +174,40 @@ def test_a_gpu_with_memory_of_its_own_stages_large_experts_where_the_driver_take
     monkeypatch.setattr(pool, "advise_read_in_place", lambda view: False)  # no CUDA driver, or advice refused
     unadvised = pool.ExpertPool(index, 4, layers=index.layers[:1])
     assert unadvised.writes == "slots" and not unadvised.staging
+
+
+def test_packed_experts_read_past_the_page_cache_land_in_the_pool_with_no_bounce(tmp_path):
+    """The small preset's expert tensors are multiples of 4096 bytes, so its packed records read with O_DIRECT go
+    straight into the pool's rows (this CPU backend's pool arrays start page-aligned) and into the reader's own
+    block: every demand read skips the bounce buffer (of the MLX layout's reads, only those whose tensor happens to
+    start on a page), and both decode in-memory greedy's ids with every placed expert matching its bytes."""
+    import mlx_lm
+
+    from mlx_streaming.harness.synth import preset_config
+    from mlx_streaming.harness.synth_stream import write_checkpoint
+
+    model, packed = tmp_path / "small", tmp_path / "packed"
+    model.mkdir()
+    write_checkpoint(model, preset_config("small", vocab_size=320, layers=4), seed=0)
+    done = subprocess.run([sys.executable, "-m", "mlx_streaming", "repack", "--model", str(model), "--out", str(packed)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    prompt = [1, 5, 9, 40, 77]  # the byte tokenizer's ids (its vocabulary is 320)
+    reference = greedy_generate(mlx_lm.load(str(model))[0], prompt, 8)
+    config = StreamingConfig(pool_slots=16, io_mode="direct", verify=True)
+    runs = {}
+    for layout, run_config in (("packed", config.replace(packed_dir=str(packed))), ("mlx", config)):
+        with build_streaming_model(model, run_config) as sm:
+            assert greedy_generate(sm.model, prompt, 8) == reference
+            if "buffered" in sm.store.reader.effective_modes.values():  # tmpfs, for one, refuses O_DIRECT
+                pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads")
+            runs[layout] = dict(sm.store.stats(), reads=sm.store.reader.reads)
+            if layout == "packed":  # the reader's own block, as the prefetcher and `bench --io` read into
+                first = sm.store.index.slices(sm.store.index.layers[0], 0)
+                reading = sm.store.reader.start([(s.path, s.offset, s.nbytes) for s in first])
+                reading.take(len(first))
+                assert reading.in_place == 1
+    for stats in runs.values():
+        assert stats["misses"] > 0 and stats["verify_ok"] == stats["misses"] and stats["verify_bad"] == 0
+    assert runs["packed"]["reads_in_place"] == runs["packed"]["reads"] > 0
+    assert runs["mlx"]["reads_in_place"] < runs["mlx"]["reads"]

@@ -186,7 +186,7 @@ class _Reported:
 
     def __init__(self, pending, arrived: int, waits: list):
         self.pending, self.arrived, self.waits = pending, arrived, waits
-        self.elapsed = pending.elapsed
+        self.elapsed, self.in_place = pending.elapsed, pending.in_place
 
     def finished(self):
         return self.arrived

@@ -18,11 +18,14 @@ import warnings
 from typing import Optional, Sequence, Tuple
 
 ALIGN = 4096
+#: Pieces per ``preadv`` (at most IOV_MAX, 1024 on Linux and macOS).
+IOV_BATCH = 256
 #: fcntl's F_NOCACHE on macOS (not every Python's fcntl module names it).
 F_NOCACHE = 48
 #: ``(fd, offset, length, destination, aligned)``: the destination a writable buffer, or a list of them whose lengths
-#: sum to the read's, filled in order (one read landing in several places); ``aligned`` reads the 4096-aligned
-#: superset of the range through a bounce buffer (O_DIRECT needs aligned offsets, lengths and memory).
+#: sum to the read's, filled in order (one read landing in several places); ``aligned`` (O_DIRECT, which needs
+#: aligned offsets, lengths and memory) reads in place where the offset and every piece's address and length are
+#: multiples of 4096, else the 4096-aligned superset of the range through a bounce buffer.
 ReadRequest = Tuple[int, int, int, object, bool]
 #: ``None``, or the first failing request's ``(index, errno, bytes delivered)``; errno 0 is a short read.
 ReadFailure = Optional[Tuple[int, int, int]]
@@ -105,23 +108,61 @@ def _pieces(destination, length: int) -> list:
     return [memoryview(destination).cast("B")[:length]]
 
 
-def _read_in_order(requests: Sequence[ReadRequest]) -> ReadFailure:
-    """One request after another on the calling thread (``os.preadv`` releases the GIL while it reads)."""
+def _fits_in_place(offset: int, pieces: list) -> bool:
+    """Whether an aligned read can skip the bounce buffer: its offset and every piece's address and length are
+    multiples of ALIGN."""
+    import ctypes
+
+    def address(piece):
+        return ctypes.addressof(ctypes.c_char.from_buffer(piece)) if len(piece) else 0
+
+    return offset % ALIGN == 0 and all(len(p) % ALIGN == 0 and address(p) % ALIGN == 0 for p in pieces)
+
+
+def _read_pieces(fd: int, pieces: list, offset: int) -> int:
+    """The pieces filled in order from ``offset``, in place: one ``preadv`` for them all, again from where a short
+    one stopped; returns the bytes read."""
+    got, k = 0, 0
+    while k < len(pieces):
+        n = os.preadv(fd, pieces[k:k + IOV_BATCH], offset + got)
+        if n == 0:
+            break
+        got += n
+        while k < len(pieces) and n >= len(pieces[k]):
+            n -= len(pieces[k])
+            k += 1
+        if n:
+            pieces[k] = pieces[k][n:]
+    return got
+
+
+#: Set once a read straight into a destination is refused (EINVAL, EFAULT); aligned reads then use the bounce.
+_in_place_refused = False
+
+
+def _read_in_order(requests: Sequence[ReadRequest]) -> Tuple[ReadFailure, int]:
+    """One request after another on the calling thread (``os.preadv`` releases the GIL while it reads); returns
+    the first failure and how many aligned reads went straight into their destination."""
+    global _in_place_refused
     import mmap
 
-    bounce = None
+    bounce, in_place = None, 0
     try:
         for i, (fd, offset, length, destination, aligned) in enumerate(requests):
             pieces = _pieces(destination, length)
             try:
+                got = None
                 if not aligned:
-                    got = 0
-                    for piece in pieces:
-                        n = _pread_full(fd, piece, offset + got)
-                        got += n
-                        if n < len(piece):
-                            break
-                else:
+                    got = _read_pieces(fd, pieces, offset)
+                elif not _in_place_refused and _fits_in_place(offset, pieces):
+                    try:
+                        got = _read_pieces(fd, pieces, offset)
+                        in_place += 1
+                    except OSError as exc:
+                        if exc.errno not in (errno.EINVAL, errno.EFAULT):
+                            raise
+                        _in_place_refused = True
+                if got is None:  # the aligned superset through the bounce buffer, then copied into the pieces
                     start = offset - offset % ALIGN
                     span = -(-(offset + length - start) // ALIGN) * ALIGN
                     if bounce is None or len(bounce) < span:
@@ -136,10 +177,10 @@ def _read_in_order(requests: Sequence[ReadRequest]) -> ReadFailure:
                         piece[:n] = bounce[at:at + n]
                         at += n
             except OSError as exc:
-                return i, exc.errno or errno.EIO, 0
+                return (i, exc.errno or errno.EIO, 0), in_place
             if got != length:
-                return i, 0, got
-        return None
+                return (i, 0, got), in_place
+        return None, in_place
     finally:
         if bounce is not None:
             bounce.close()
@@ -150,7 +191,8 @@ class PyPendingReads:
 
     def __init__(self, requests: Sequence[ReadRequest]):
         start = time.perf_counter()
-        self._failure = _read_in_order(requests)
+        #: the first failure; aligned reads that went straight into their destination (no bounce buffer)
+        self._failure, self.in_place = _read_in_order(requests)
         self.elapsed = time.perf_counter() - start  #: seconds from the start until the last read finished
         self._n = len(requests)
 

@@ -1,8 +1,9 @@
 """ExpertReader: batched positional reads of expert tensors into host buffers.
 
 ``buffered`` reads through the page cache. ``direct`` bypasses it: O_DIRECT on Linux, which needs the file
-offset, the length and the buffer aligned, so each read covers the aligned superset of the range through a
-page-aligned bounce buffer; F_NOCACHE on macOS, which needs no alignment. A filesystem that refuses
+offset, the length and the buffer aligned, so a read where all three are multiples of 4096 (the packed layout's
+records, read into the pool's rows or the reader's own block) goes straight into its buffer, and any other covers
+the aligned superset of its range through a bounce buffer; F_NOCACHE on macOS, which needs no alignment. A filesystem that refuses
 O_DIRECT (tmpfs, some network filesystems) falls back to buffered reads for that file with one warning;
 ``effective_modes`` says what each file got. The reads of one call go to ``io.native.read_start`` together:
 the native extension runs them on its own threads with the GIL released (or its Python twin, one by one),
@@ -24,6 +25,7 @@ import numpy as np
 from ..config import IO_MODES, READ_THREADS
 from ..errors import ConfigError, ExpertIOError
 from . import native
+from .native import ALIGN
 
 
 class ExpertReader:
@@ -97,18 +99,15 @@ class ExpertReader:
                 j += 1
             spans.append((path, offset, end - offset, i, j))
             i = j
+        files = [self._file(path) for path, *_ in spans]
         if into is None:
-            block = np.empty(sum(span[2] for span in spans), dtype=np.uint8)  # one allocation, a view per span
-            buffers, at = [], 0
-            for _, _, n, _, _ in spans:
-                buffers.append(block[at:at + n])
-                at += n
+            buffers = _block([n for _, _, n, _, _ in spans],
+                             [aligned and offset % ALIGN == 0 and n % ALIGN == 0
+                              for (_, offset, n, _, _), (_, aligned) in zip(spans, files)])
         else:
             buffers = [list(into[first:end]) for *_, first, end in spans]
-        requests = []
-        for (path, offset, n, _, _), buffer in zip(spans, buffers):
-            fd, aligned = self._file(path)
-            requests.append((fd, offset, n, buffer, aligned))
+        requests = [(fd, offset, n, buffer, aligned)
+                    for (_, offset, n, _, _), (fd, aligned), buffer in zip(spans, files, buffers)]
         pending = self._read_start(requests)
         self.reads += len(requests)
         return PendingRead(ranges, spans, buffers if into is None else None, pending, into)
@@ -121,6 +120,20 @@ class ExpertReader:
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+def _block(sizes: List[int], page_aligned: List[bool]) -> List[np.ndarray]:
+    """One allocation, a uint8 view per size; the views marked ``page_aligned`` (O_DIRECT reads whose offset and
+    length are multiples of ALIGN) start on an ALIGN boundary, so that their reads skip the bounce buffer."""
+    starts, at = [], 0
+    for n, aligned in zip(sizes, page_aligned):
+        if aligned:
+            at = -(-at // ALIGN) * ALIGN
+        starts.append(at)
+        at += n
+    raw = np.empty(at + ALIGN, dtype=np.uint8)
+    base = -raw.ctypes.data % ALIGN
+    return [raw[base + start:base + start + n] for start, n in zip(starts, sizes)]
 
 
 class PendingRead:
@@ -173,6 +186,11 @@ class PendingRead:
         """Wait until every read of the batch has finished, failed ones included (after a failure, before the
         buffers they write into are given to anything else)."""
         self._pending.wait(len(self._spans))
+
+    @property
+    def in_place(self) -> int:
+        """Of the finished reads, how many O_DIRECT put straight into their buffers (no bounce buffer)."""
+        return self._pending.in_place
 
     @property
     def elapsed(self) -> float:

@@ -28,12 +28,14 @@ serves forwards that take their slots without a host sync, and is rebuilt after 
 
 from __future__ import annotations
 
+import sys
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.experts import ExpertIndex
+from ..io.native import ALIGN
 from .cuda_advice import advise_read_in_place
 from .policy import SlotBook, expert_groups
 
@@ -64,6 +66,24 @@ def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
     return arr.view(mx.bfloat16) if dtype == "BF16" else arr
 
 
+def _zeros(shape: tuple, dtype: mx.Dtype, page_aligned: bool) -> mx.array:
+    """An array of zeros; ``page_aligned``: starting on a 4096-byte boundary, a view into a larger buffer (MLX's
+    CPU allocator puts arrays 24 bytes past one on Linux), so that O_DIRECT reads of the packed layout land in its
+    rows with no bounce buffer and no copy after."""
+    if not page_aligned:
+        return mx.zeros(shape, dtype=dtype)
+    nbytes = int(np.prod(shape)) * dtype.size
+    flat = mx.zeros((nbytes + ALIGN,), dtype=mx.uint8)
+    mx.eval(flat)
+    skip = -np.asarray(memoryview(flat)).ctypes.data % ALIGN
+    return flat[skip:skip + nbytes].view(dtype).reshape(shape)
+
+
+#: Where O_DIRECT needs aligned memory (Linux): pool arrays the reads land in (the CPU backend's) and staging rows
+#: start on a page.
+_O_DIRECT_ALIGNS = sys.platform.startswith("linux")
+
+
 def flat_routes(routes: List[tuple]) -> mx.array:
     """Every route of ``routes`` ((layer, indices) pairs) in one lazy array whose row-major order is theirs, in
     order (``ExpertPool.keys`` reads it flattened): one concatenation along the first axis where their other
@@ -85,8 +105,9 @@ class ExpertPool:
         self.book = SlotBook(layers, index.num_experts, capacity, eviction)
         self.capacity = self.book.capacity
         #: Per layer, per expert tensor name, the pool array (``capacity`` slots).
+        page_aligned = _O_DIRECT_ALIGNS and mx.default_device().type == mx.DeviceType.cpu
         self.arrays: Dict[int, Dict[str, mx.array]] = {
-            layer: {name: mx.zeros((self.capacity, *shape), dtype=_MX_DTYPES[dtype])
+            layer: {name: _zeros((self.capacity, *shape), _MX_DTYPES[dtype], page_aligned)
                     for name, (dtype, shape) in index.tensor_specs.items()}
             for layer in layers
         }
@@ -284,7 +305,7 @@ class _StagingRows:
 
     def __init__(self, name: str, dtype: str, shape: tuple):
         self.name = name
-        self.array = mx.zeros((STAGING_ROWS, *shape), dtype=_MX_DTYPES[dtype])
+        self.array = _zeros((STAGING_ROWS, *shape), _MX_DTYPES[dtype], _O_DIRECT_ALIGNS)
         self.view = _host_view(self.array)
         self.used = 0
         self.written: Set[int] = set()  #: layers whose pool arrays took a copy from these rows since they were free
