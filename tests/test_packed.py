@@ -82,6 +82,8 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
     assert placement["place_over_copy"] == pytest.approx(placement["place_gbps"] / placement["copy_gbps"])
     assert placement["place_over_one_array"] == pytest.approx(placement["place_gbps"] / placement["one_array_gbps"])
     assert "of the ceiling" in io_table(report) and "a plain copy of the same bytes" in io_table(report)
+    assert all(0 <= c["in_place"] <= 1 for c in cells)
+    assert f"{report['demand_in_place']:.2f} of its reads in place" in io_table(report)
     assert placement["writes"] == "host" and "into a pool (host writes)" in io_table(report)  # this CPU's way
     assert f"placement {placement['place_over_copy']:.2f} and {placement['place_over_one_array']:.2f} of them" in io_table(report)
     # the engine read with the threads it was given (no cell of the grid runs 3): the table names the best depth
@@ -201,7 +203,7 @@ def test_packed_experts_read_past_the_page_cache_land_in_the_pool_with_no_bounce
             assert greedy_generate(sm.model, prompt, 8) == reference
             if "buffered" in sm.store.reader.effective_modes.values():  # tmpfs, for one, refuses O_DIRECT
                 pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads")
-            runs[layout] = dict(sm.store.stats(), reads=sm.store.reader.reads)
+            runs[layout] = sm.store.stats()
             if layout == "packed":  # the reader's own block, as the prefetcher and `bench --io` read into
                 first = sm.store.index.slices(sm.store.index.layers[0], 0)
                 reading = sm.store.reader.start([(s.path, s.offset, s.nbytes) for s in first])
@@ -209,5 +211,7 @@ def test_packed_experts_read_past_the_page_cache_land_in_the_pool_with_no_bounce
                 assert reading.in_place == 1
     for stats in runs.values():
         assert stats["misses"] > 0 and stats["verify_ok"] == stats["misses"] and stats["verify_bad"] == 0
-    assert runs["packed"]["reads_in_place"] == runs["packed"]["reads"] > 0
-    assert runs["mlx"]["reads_in_place"] < runs["mlx"]["reads"]
+    for stats in runs.values():
+        assert stats["demand_reads"] == stats["read_calls"]  # no prefetch: every read a demand read
+    assert runs["packed"]["reads_in_place"] == runs["packed"]["demand_reads"] > 0
+    assert runs["mlx"]["reads_in_place"] < runs["mlx"]["demand_reads"]

@@ -188,6 +188,11 @@ class PendingRead:
         self._pending.wait(len(self._spans))
 
     @property
+    def reads(self) -> int:
+        """System reads the batch issued (a range, or adjacent ranges read at once)."""
+        return len(self._spans)
+
+    @property
     def in_place(self) -> int:
         """Of the finished reads, how many O_DIRECT put straight into their buffers (no bounce buffer)."""
         return self._pending.in_place

@@ -64,6 +64,7 @@ class ExpertLoader:
                 raise
             raise ExpertIOError(f"layer {layer} expert {demand[failed // per_expert]}: {exc}") from None
         self.counters.read_s += reading.elapsed
+        self.counters.demand_reads += reading.reads
         self.counters.reads_in_place += reading.in_place
         self.counters.read_wait_s += reading.waited_s
 

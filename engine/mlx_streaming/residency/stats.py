@@ -21,8 +21,9 @@ FIELDS = {
     "read_s": "seconds demand reads took, from their issue to their last byte (on the reader's threads, while the "
               "main thread waits for them or places the experts that arrived first)",
     "read_wait_s": "of the demand reads' seconds, those the main thread spent waiting for their bytes",
-    "reads_in_place": "demand reads (a range, or adjacent ranges read at once) that O_DIRECT put straight into "
-                      "their buffers, with no bounce buffer (offset, length and memory 4096-aligned)",
+    "demand_reads": "system reads of demand loads (a range, or adjacent ranges read at once)",
+    "reads_in_place": "of those, reads that O_DIRECT put straight into their buffers, with no bounce buffer (offset, "
+                      "length and memory 4096-aligned)",
     "pool_writes": "writes into the pool's arrays: a host copy, a staging row's copy or a slot write of one placed "
                    "expert's tensor, or one scatter of a tensor of all the experts one load places",
     "place_s": "seconds placing bytes into the pool (host writes, or host arrays or staging rows and queued array "

@@ -21,18 +21,21 @@ def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0, batch
 
     rng = np.random.default_rng(seed)
     picks = [(int(rng.choice(index.layers)), int(rng.integers(index.num_experts))) for _ in range(experts)]
-    reader = ExpertReader(io_mode, threads)
+    reader, in_place = ExpertReader(io_mode, threads), 0
     try:
         start = time.perf_counter()
         for i in range(0, experts, batch):
-            reader.read([(s.path, s.offset, s.nbytes) for layer, expert in picks[i:i + batch]
-                         for s in index.slices(layer, expert)])
+            ranges = [(s.path, s.offset, s.nbytes) for layer, expert in picks[i:i + batch]
+                      for s in index.slices(layer, expert)]
+            reading = reader.start(ranges)
+            reading.take(len(ranges))
+            in_place += reading.in_place
         seconds = time.perf_counter() - start
     finally:
         reader.close()
     return {"experts": experts, "batch": batch, "threads": threads, "bytes": experts * index.expert_bytes,
             "seconds": seconds, "gbps": experts * index.expert_bytes / seconds / 1e9,
-            "reads_per_expert": reader.reads / experts}
+            "reads_per_expert": reader.reads / experts, "in_place": in_place / reader.reads}
 
 
 def placement_probe(index, io_mode: str, experts: int = 32, seed: int = 0) -> dict:
@@ -125,6 +128,7 @@ def io_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dic
                 "max_tokens": run.max_tokens, "repeat": run.repeat,
                 "ceiling": ceiling, "placement": placement, "demand_read_gbps": demand, "demand_over_ceiling": demand / ceiling["best"]["gbps"],
                 "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
+                "demand_in_place": s["reads_in_place"] / s["demand_reads"] if s["demand_reads"] else 0.0,
                 "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}
 
 
@@ -132,15 +136,18 @@ def io_table(report: dict) -> str:
     from tabulate import tabulate
 
     cells, best = report["ceiling"]["cells"], report["ceiling"]["best"]
-    body = [[c["batch"], c["threads"], c["gbps"], c["reads_per_expert"]] for c in cells]
-    return (tabulate(body, headers=["experts per call", "read threads", "GB/s", "reads per expert"], floatfmt=".3f")
+    body = [[c["batch"], c["threads"], c["gbps"], c["reads_per_expert"], c["in_place"]] for c in cells]
+    return (tabulate(body, headers=["experts per call", "read threads", "GB/s", "reads per expert", "in place"],
+                     floatfmt=".3f")
             + f"\nio_mode={report['io_mode']} ({report['layout']} layout), {report['expert_bytes']} B per expert, 256 "
               f"random experts per cell. Ceiling {best['gbps']:.3f} GB/s ({best['batch']} per call, {best['threads']} "
               f"threads). The engine's demand loads (greedy, pool {report['pool_slots']} of {report['num_experts']}, "
               f"{report['max_tokens']} tokens x {report['repeat']}, --read-threads {report['read_threads']}): "
               f"{report['demand_read_gbps']:.3f} GB/s = "
               f"{report['demand_over_ceiling']:.2f} of the ceiling, {1000 * report['read_s_per_token']:.2f} ms reading "
-              f"per token{_depth_advice(report)}.{_layout_advice(report)} {_placement_line(report['placement'])}")
+              f"per token, {report['demand_in_place']:.2f} of its reads in place{_depth_advice(report)}. "
+              "(In place: O_DIRECT reads straight into their buffers, offset, length and memory page-aligned; the "
+              f"rest go through a bounce buffer.){_layout_advice(report)} {_placement_line(report['placement'])}")
 
 
 def _placement_line(p: dict) -> str:
