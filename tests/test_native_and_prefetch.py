@@ -133,6 +133,40 @@ def test_an_aligned_read_into_aligned_memory_skips_the_bounce_buffer(tmp_path, i
         os.close(fd)
 
 
+def test_memory_the_kernel_will_not_read_into_turns_reads_in_place_off(tmp_path, monkeypatch):
+    """A read in place that the kernel refuses (EFAULT: memory it cannot read into directly, such as some device
+    memory) is read again through the bounce buffer, and no later read tries in place (the twin; the extension
+    does the same)."""
+    page = native.ALIGN
+    data = np.random.default_rng(3).integers(0, 256, 4 * page, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    try:
+        fd = native.open_uncached(str(path))
+    except OSError as exc:  # tmpfs, for one, refuses O_DIRECT
+        pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads ({exc.strerror})")
+    calls, preadv = [], os.preadv
+
+    def refusing(fd, buffers, offset):
+        calls.append(len(buffers))
+        if len(buffers) == 2:  # the read in place, into the two aligned buffers
+            raise OSError(errno.EFAULT, "Bad address")
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(native.os, "preadv", refusing)
+    monkeypatch.setattr(native, "_in_place_refused", False)
+    try:
+        first = [_page_aligned(page), _page_aligned(page)]
+        pending = native.py_read_start([(fd, 0, 2 * page, first, True)])
+        assert pending.wait(1) is None and pending.in_place == 0
+        assert np.concatenate(first).tobytes() == data[:2 * page].tobytes()
+        assert native._in_place_refused and calls == [2, 1]  # refused in place, then the bounce buffer's read
+        later = native.py_read_start([(fd, 2 * page, 2 * page, _page_aligned(2 * page), True)])
+        assert later.wait(1) is None and later.in_place == 0 and calls == [2, 1, 1]
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("impl", ["native", "twin"])
 def test_reads_past_the_end_and_bad_descriptors_are_reported(tmp_path, impl):
     if impl == "native" and not native.NATIVE:
