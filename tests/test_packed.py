@@ -95,6 +95,14 @@ def test_io_report_measures_a_ceiling_over_request_sizes_and_threads(model_dir):
             f"--model {model_dir} --out DIR, then --packed DIR.") in io_table(report)
     packed = {**report, "ceiling": {**report["ceiling"], "best": {**report["ceiling"]["best"], "reads_per_expert": 1.0}}}
     assert "repack" not in io_table(packed)
+    # the bound: the misses' bytes at the ceiling plus in-memory's time per token, from rounds alternated with it
+    bound = report["bound"]
+    assert bound["ids_equal"] and report["demand_bytes_per_token"] > 0
+    assert bound["read_ms"] == pytest.approx(1000 * report["demand_bytes_per_token"] / (report["ceiling"]["best"]["gbps"] * 1e9))
+    assert bound["compute_ms"] == pytest.approx(1000 / bound["inmemory_tok_s"]["median"])
+    assert bound["over_bound"] == pytest.approx(1000 / report["greedy_tok_s"]["median"] / (bound["read_ms"] + bound["compute_ms"]))
+    assert f"= {bound['over_bound']:.2f}x its bound" in io_table(report) and "ids equal" in io_table(report)
+    assert "No bound" in io_table({k: v for k, v in report.items() if k != "bound"})
 
 
 def test_placement_against_a_copy_that_reaches_a_device_with_memory_of_its_own(model_dir, monkeypatch):

@@ -37,6 +37,11 @@ def timed_greedy(model, prompt_ids, max_tokens: int, prefill_chunk: int,
     return (max_tokens - 1) / (time.perf_counter() - start[0]), ids
 
 
+def greedy_path(model, prompt_ids, config: StreamingConfig) -> Callable:
+    """``once(n, on_decode)``: ``timed_greedy`` of ``model`` (an ``_costed`` arm's decode)."""
+    return lambda n, on_decode: timed_greedy(model, prompt_ids, n, config.prefill_chunk, on_decode)
+
+
 def _costed(once: Callable, store) -> Callable:
     """``once(n, on_decode)`` (decodes ``n`` tokens, calls ``on_decode()`` once the prompt is prefilled, returns
     (tok/s, ids, *more)) as an ``_interleaved`` arm whose extra is (CPU ms per decoded token, the store's counters

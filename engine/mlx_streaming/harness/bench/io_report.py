@@ -9,7 +9,8 @@ from typing import Callable, List
 from ...config import READ_THREADS, StreamingConfig
 from ...run_settings import RunSettings
 from ...io.reader import ExpertReader
-from .common import _greedy_runs, _say, _spread
+from ..reference import InMemoryPlan
+from .common import _costed, _interleaved, _say, _spread, greedy_path
 
 
 def raw_read_probe(index, io_mode: str, experts: int = 256, seed: int = 0, batch: int = 1,
@@ -111,8 +112,9 @@ def _demand_gbps(stats: dict) -> float:
 
 def io_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dict:
     """The disk's ceiling (``io_ceiling``), placement against a plain copy (``placement_probe``), then greedy
-    decoding at the configured pool and io mode: the engine's demand-load rate (bytes read / seconds in demand
-    reads) against the ceiling."""
+    decoding at the configured pool and io mode, in interleaved rounds with mlx-lm's in-memory model where it
+    fits: the engine's demand-load rate (bytes read / seconds in demand reads) against the ceiling, and its time
+    per token against its bound (``_bound``)."""
     from ...model import build_streaming_model
 
     with build_streaming_model(model_dir, config) as sm:
@@ -120,16 +122,44 @@ def io_report(model_dir: Path, config: StreamingConfig, run: RunSettings) -> dic
         ceiling = io_ceiling(sm.store.index, config.io_mode, sm.store.top_k)
         _say("placement against a plain copy of the same bytes")
         placement = placement_probe(sm.store.index, config.io_mode)
-        rates, ids, counters, s = _greedy_runs(sm, config, run, "greedy")
+        prompt_ids = sm.tokenizer.encode(run.prompt)
+        arms = {"streaming": _costed(greedy_path(sm.model, prompt_ids, config), sm.store)}
+        plan = InMemoryPlan(model_dir)
+        if plan.fits:
+            import mlx_lm
+
+            arms["in-memory"] = _costed(greedy_path(mlx_lm.load(str(model_dir))[0], prompt_ids, config), None)
+        else:
+            _say(f"no bound: compute time per token needs mlx-lm's in-memory model, and {plan.why_not}")
+        rates, runs = _interleaved("greedy", arms, run)
+        ids, (_, s) = runs["streaming"][-1]
+        tokens = len(ids) - 1
         demand = _demand_gbps(s)
-        return {"model": str(model_dir), "io_mode": config.io_mode, "layout": "packed" if config.packed_dir else "scattered",
-                "pool_slots": sm.store.capacity, "num_experts": sm.store.index.num_experts,
-                "expert_bytes": sm.store.index.expert_bytes, "read_threads": config.read_threads,
-                "max_tokens": run.max_tokens, "repeat": run.repeat,
-                "ceiling": ceiling, "placement": placement, "demand_read_gbps": demand, "demand_over_ceiling": demand / ceiling["best"]["gbps"],
-                "reads_per_load": sm.store.reader.reads / s["misses"] if s["misses"] else 0.0,
-                "demand_in_place": s["reads_in_place"] / s["demand_reads"] if s["demand_reads"] else 0.0,
-                "greedy_tok_s": _spread(rates), "greedy_io": counters, "read_s_per_token": s["read_s"] / len(ids)}
+        report = {"model": str(model_dir), "io_mode": config.io_mode,
+                  "layout": "packed" if config.packed_dir else "scattered", "pool_slots": sm.store.capacity,
+                  "num_experts": sm.store.index.num_experts, "expert_bytes": sm.store.index.expert_bytes,
+                  "read_threads": config.read_threads, "max_tokens": run.max_tokens, "repeat": run.repeat,
+                  "ceiling": ceiling, "placement": placement, "demand_read_gbps": demand,
+                  "demand_over_ceiling": demand / ceiling["best"]["gbps"],
+                  "reads_per_load": s["demand_reads"] / s["misses"] if s["misses"] else 0.0,
+                  "demand_in_place": s["reads_in_place"] / s["demand_reads"] if s["demand_reads"] else 0.0,
+                  "greedy_tok_s": _spread(rates["streaming"]), "read_s_per_token": s["read_s"] / tokens,
+                  "demand_bytes_per_token": s["demand_bytes"] / tokens}
+        if "in-memory" in runs:
+            report["bound"] = _bound(report, _spread(rates["in-memory"]),
+                                     all(ids == runs["in-memory"][-1][0] for ids, _ in runs["streaming"]))
+        return report
+
+
+def _bound(report: dict, inmemory_tok_s: dict, ids_equal: bool) -> dict:
+    """The pool's bound per token: its demand bytes at the disk's ceiling, plus in-memory's time per token
+    (compute, with nothing to read); the engine's time per token over it, and over in-memory's."""
+    read_ms = 1000 * report["demand_bytes_per_token"] / (report["ceiling"]["best"]["gbps"] * 1e9)
+    compute_ms = 1000 / inmemory_tok_s["median"]
+    engine_ms = 1000 / report["greedy_tok_s"]["median"]
+    return {"read_ms": read_ms, "compute_ms": compute_ms, "bound_ms": read_ms + compute_ms, "engine_ms": engine_ms,
+            "over_bound": engine_ms / (read_ms + compute_ms), "inmemory_tok_s": inmemory_tok_s,
+            "x_inmemory": compute_ms / engine_ms, "ids_equal": ids_equal}
 
 
 def io_table(report: dict) -> str:
@@ -147,7 +177,18 @@ def io_table(report: dict) -> str:
               f"{report['demand_over_ceiling']:.2f} of the ceiling, {1000 * report['read_s_per_token']:.2f} ms reading "
               f"per token, {report['demand_in_place']:.2f} of its reads in place{_depth_advice(report)}. "
               "(In place: O_DIRECT reads straight into their buffers, offset, length and memory page-aligned; the "
-              f"rest go through a bounce buffer.){_layout_advice(report)} {_placement_line(report['placement'])}")
+              f"rest go through a bounce buffer.){_layout_advice(report)} {_placement_line(report['placement'])}"
+              + _bound_line(report))
+
+
+def _bound_line(report: dict) -> str:
+    b = report.get("bound")
+    if b is None:
+        return "\nNo bound: mlx-lm's in-memory model does not fit this machine, so its compute time is not known."
+    return (f"\nBound per token: {report['demand_bytes_per_token'] / 1e6:.2f} MB of misses at the ceiling "
+            f"({b['read_ms']:.2f} ms) plus in-memory's {b['compute_ms']:.2f} ms = {b['bound_ms']:.2f} ms; the engine "
+            f"took {b['engine_ms']:.2f} ms = {b['over_bound']:.2f}x its bound and {b['x_inmemory']:.3f}x of in-memory "
+            f"(greedy, {report['repeat']} interleaved rounds, medians; ids {'equal' if b['ids_equal'] else 'NOT equal'})")
 
 
 def _placement_line(p: dict) -> str:

@@ -12,7 +12,7 @@ from ...config import StreamingConfig
 from ...run_settings import RunSettings
 from ...mtp.drafter import MTPDrafter
 from ...mtp.speculative import mtp_generate
-from .common import _costed, _interleaved, _refuse_unless_inmemory_fits, _spread, timed_greedy
+from .common import _costed, _interleaved, _refuse_unless_inmemory_fits, _spread, greedy_path
 from ...checkpoint import MTP_FILE
 
 
@@ -34,13 +34,13 @@ def overhead_report(model_dir: Path, config: StreamingConfig, run: RunSettings) 
     prompt_ids = tokenizer.encode(run.prompt)
     has_mtp = (Path(model_dir) / MTP_FILE).exists() or config.mtp_path
     with ExitStack() as stack:
-        arms = {("mlx-lm in-memory greedy", None): _costed(_greedy_path(model, prompt_ids, config), None)}
+        arms = {("mlx-lm in-memory greedy", None): _costed(greedy_path(model, prompt_ids, config), None)}
         slots = {}
         for miss_check in ("layer", "forward"):
             sm = stack.enter_context(build_streaming_model(model_dir, config.replace(miss_check=miss_check,
                                                                                      mtp=bool(has_mtp))))
             slots[miss_check] = sm.store.capacity
-            arms[("streaming greedy", miss_check)] = _costed(_greedy_path(sm.model, prompt_ids, config), sm.store)
+            arms[("streaming greedy", miss_check)] = _costed(greedy_path(sm.model, prompt_ids, config), sm.store)
             if has_mtp:
                 arms[(f"streaming MTP K={run.k}", miss_check)] = _costed(_speculative_path(sm, prompt_ids, config, run),
                                                                             sm.store)
@@ -55,10 +55,6 @@ def overhead_report(model_dir: Path, config: StreamingConfig, run: RunSettings) 
                                   slots.get(miss_check)))
     return {"model": str(model_dir), "device": str(mx.default_device()), "io_mode": config.io_mode,
             "max_tokens": run.max_tokens, "warmup": run.warmup_tokens, "repeat": run.repeat, "rows": rows}
-
-
-def _greedy_path(model, prompt_ids, config: StreamingConfig) -> Callable:
-    return lambda n, on_decode: timed_greedy(model, prompt_ids, n, config.prefill_chunk, on_decode)
 
 
 def _speculative_path(sm, prompt_ids, config: StreamingConfig, run: RunSettings) -> Callable:
