@@ -155,8 +155,8 @@ def test_bench_io_compares_the_disk_with_the_engine_at_the_benchmarks_bounded_po
     assert "--pool-fraction 0.25, --io-mode direct: the benchmark's default" in out.stderr
     result = json.loads((tmp_path / "io.json").read_text())
     assert result["io_mode"] == "direct" and result["pool_slots"] == result["num_experts"] // 4
-    assert result["greedy_io"]["demand_loads"] > 0 and result["demand_read_gbps"] > 0
-    assert "of the ceiling" in out.stdout
+    assert result["demand_bytes_per_token"] > 0 and result["demand_read_gbps"] > 0
+    assert "of the ceiling" in out.stdout and "x its bound" in out.stdout and result["bound"]["ids_equal"]
 
 
 def test_bench_with_no_options_streams_from_disk_beside_in_memory(tmp_path):

@@ -169,7 +169,9 @@ def _command(sub, name: str, func, **texts) -> argparse.ArgumentParser:
 BENCH_MODES = (
     ("--sweep", None, "greedy only: in-memory vs streaming at 100%% and 25%% pools, both io modes"),
     ("--io", None, "disk: the best read rate over request sizes and read threads vs the engine's demand-load rate "
-                   "(greedy; at the benchmark's default pool and io mode unless given)"),
+                   "(greedy; at the benchmark's default pool and io mode unless given), and the engine's time per "
+                   "token against its bound (the misses' bytes at that rate plus in-memory's time per token, "
+                   "interleaved with mlx-lm's in-memory model where it fits)"),
     ("--prefetch-report", None, "greedy: naive, the pool, the pool + prefetch (ahead 0/1, mult 1/2) side by side, with "
                                 "diagnostics"),
     ("--k-report", None, "MTP speculation at K = 1, 2, 3, 4 and auto (new per run, and kept across runs), interleaved: "
