@@ -95,6 +95,18 @@ def _page_aligned(n: int, shift: int = 0) -> np.ndarray:
     return raw[start:start + n]
 
 
+def _uncached_file(tmp_path, pages: int, seed: int):
+    """(its bytes, a descriptor past the page cache) of a new file of ``pages`` random pages; the test is skipped
+    where the temp folder's filesystem refuses O_DIRECT (tmpfs, for one)."""
+    data = np.random.default_rng(seed).integers(0, 256, pages * native.ALIGN, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    try:
+        return data, native.open_uncached(str(path))
+    except OSError as exc:
+        pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads ({exc.strerror})")
+
+
 @pytest.mark.parametrize("impl", ["native", "twin"])
 def test_an_aligned_read_into_aligned_memory_skips_the_bounce_buffer(tmp_path, impl):
     """O_DIRECT reads whose offset and every destination's address and length are multiples of 4096 go straight
@@ -105,13 +117,7 @@ def test_an_aligned_read_into_aligned_memory_skips_the_bounce_buffer(tmp_path, i
         return
     read_start = native._native.read_start if impl == "native" else native.py_read_start
     page = native.ALIGN
-    data = np.random.default_rng(2).integers(0, 256, 8 * page, dtype=np.uint8)
-    path = tmp_path / "f"
-    path.write_bytes(data.tobytes())
-    try:
-        fd = native.open_uncached(str(path))
-    except OSError as exc:  # tmpfs, for one, refuses O_DIRECT
-        pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads ({exc.strerror})")
+    data, fd = _uncached_file(tmp_path, 8, seed=2)
     try:
         whole, several = _page_aligned(2 * page), [_page_aligned(page), _page_aligned(3 * page)]
         shifted, odd_length = _page_aligned(2 * page, shift=64), _page_aligned(page + 8)
@@ -138,13 +144,7 @@ def test_memory_the_kernel_will_not_read_into_turns_reads_in_place_off(tmp_path,
     memory) is read again through the bounce buffer, and no later read tries in place (the twin; the extension
     does the same)."""
     page = native.ALIGN
-    data = np.random.default_rng(3).integers(0, 256, 4 * page, dtype=np.uint8)
-    path = tmp_path / "f"
-    path.write_bytes(data.tobytes())
-    try:
-        fd = native.open_uncached(str(path))
-    except OSError as exc:  # tmpfs, for one, refuses O_DIRECT
-        pytest.skip(f"{tmp_path}'s filesystem refuses cache-bypass reads ({exc.strerror})")
+    data, fd = _uncached_file(tmp_path, 4, seed=3)
     calls, preadv = [], os.preadv
 
     def refusing(fd, buffers, offset):
