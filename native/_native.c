@@ -98,8 +98,8 @@ static int64_t pread_full(int fd, unsigned char *buf, int64_t want, int64_t offs
     return total;
 }
 
-/* Set once a read straight into a destination is refused (EINVAL, EFAULT: memory the kernel cannot DMA into,
- * such as some device-managed memory); aligned reads then all go through the bounce buffer. */
+/* Set once a read straight into a destination is refused with EFAULT (memory the kernel cannot read into
+ * directly, such as some device-managed memory); aligned reads then all go through the bounce buffer. */
 static int in_place_refused = 0;
 
 /* Whether an aligned read can skip the bounce buffer: its offset, and every piece's address and length, are
@@ -146,11 +146,13 @@ static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_s
     }
     if (fits_in_place(rq)) {
         read_pieces(rq);
-        if (!(rq->err == EINVAL || rq->err == EFAULT)) {
+        if (rq->err != EINVAL && rq->err != EFAULT) {
             rq->in_place = 1;
             return;
         }
-        __atomic_store_n(&in_place_refused, 1, __ATOMIC_RELAXED);
+        /* read again through the bounce buffer; EINVAL may be this read's (a short read left the next one
+         * unaligned), EFAULT is the memory's */
+        if (rq->err == EFAULT) __atomic_store_n(&in_place_refused, 1, __ATOMIC_RELAXED);
         rq->err = 0;
         rq->got = 0;
     }

@@ -139,18 +139,19 @@ def test_an_aligned_read_into_aligned_memory_skips_the_bounce_buffer(tmp_path, i
         os.close(fd)
 
 
-def test_memory_the_kernel_will_not_read_into_turns_reads_in_place_off(tmp_path, monkeypatch):
-    """A read in place that the kernel refuses (EFAULT: memory it cannot read into directly, such as some device
-    memory) is read again through the bounce buffer, and no later read tries in place (the twin; the extension
-    does the same)."""
+@pytest.mark.parametrize("refusal", [errno.EFAULT, errno.EINVAL])
+def test_a_read_in_place_the_kernel_refuses_is_read_again_through_the_bounce_buffer(tmp_path, monkeypatch, refusal):
+    """A read in place that the kernel refuses is read again through the bounce buffer. EFAULT (memory it cannot
+    read into directly, such as some device memory) turns the path off: no later read tries in place; EINVAL (which
+    a short read can cause) does not. The twin here; the extension does the same."""
     page = native.ALIGN
     data, fd = _uncached_file(tmp_path, 4, seed=3)
     calls, preadv = [], os.preadv
 
     def refusing(fd, buffers, offset):
         calls.append(len(buffers))
-        if len(buffers) == 2:  # the read in place, into the two aligned buffers
-            raise OSError(errno.EFAULT, "Bad address")
+        if len(buffers) == 2 and len(calls) == 1:  # the first read in place, into the two aligned buffers
+            raise OSError(refusal, os.strerror(refusal))
         return preadv(fd, buffers, offset)
 
     monkeypatch.setattr(native.os, "preadv", refusing)
@@ -160,9 +161,14 @@ def test_memory_the_kernel_will_not_read_into_turns_reads_in_place_off(tmp_path,
         pending = native.py_read_start([(fd, 0, 2 * page, first, True)])
         assert pending.wait(1) is None and pending.in_place == 0
         assert np.concatenate(first).tobytes() == data[:2 * page].tobytes()
-        assert native._in_place_refused and calls == [2, 1]  # refused in place, then the bounce buffer's read
-        later = native.py_read_start([(fd, 2 * page, 2 * page, _page_aligned(2 * page), True)])
-        assert later.wait(1) is None and later.in_place == 0 and calls == [2, 1, 1]
+        assert calls == [2, 1]  # refused in place, then the bounce buffer's read
+        later = [_page_aligned(page), _page_aligned(page)]
+        again = native.py_read_start([(fd, 2 * page, 2 * page, later, True)])
+        assert again.wait(1) is None and np.concatenate(later).tobytes() == data[2 * page:].tobytes()
+        if refusal == errno.EFAULT:
+            assert native._in_place_refused and again.in_place == 0 and calls == [2, 1, 1]
+        else:
+            assert not native._in_place_refused and again.in_place == 1 and calls == [2, 1, 2]
     finally:
         os.close(fd)
 

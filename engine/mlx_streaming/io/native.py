@@ -136,7 +136,8 @@ def _read_pieces(fd: int, pieces: list, offset: int) -> int:
     return got
 
 
-#: Set once a read straight into a destination is refused (EINVAL, EFAULT); aligned reads then use the bounce.
+#: Set once a read straight into a destination is refused with EFAULT (memory the kernel cannot read into
+#: directly); aligned reads then all use the bounce buffer.
 _in_place_refused = False
 
 
@@ -158,10 +159,10 @@ def _read_in_order(requests: Sequence[ReadRequest]) -> Tuple[ReadFailure, int]:
                     try:
                         got = _read_pieces(fd, pieces, offset)
                         in_place += 1
-                    except OSError as exc:
+                    except OSError as exc:  # read again through the bounce buffer
                         if exc.errno not in (errno.EINVAL, errno.EFAULT):
                             raise
-                        _in_place_refused = True
+                        _in_place_refused = exc.errno == errno.EFAULT  # the memory's; EINVAL may be this read's
                 if got is None:  # the aligned superset through the bounce buffer, then copied into the pieces
                     start = offset - offset % ALIGN
                     span = -(-(offset + length - start) // ALIGN) * ALIGN

@@ -3,8 +3,9 @@
 ``buffered`` reads through the page cache. ``direct`` bypasses it: O_DIRECT on Linux, which needs the file
 offset, the length and the buffer aligned, so a read where all three are multiples of 4096 (the packed layout's
 records, read into the pool's rows or the reader's own block) goes straight into its buffer, and any other covers
-the aligned superset of its range through a bounce buffer; F_NOCACHE on macOS, which needs no alignment. A filesystem that refuses
-O_DIRECT (tmpfs, some network filesystems) falls back to buffered reads for that file with one warning;
+the aligned superset of its range through a bounce buffer; F_NOCACHE on macOS, which needs no alignment. A
+filesystem that refuses O_DIRECT (tmpfs, some network filesystems) falls back to buffered reads for that file
+with one warning;
 ``effective_modes`` says what each file got. The reads of one call go to ``io.native.read_start`` together:
 the native extension runs them on its own threads with the GIL released (or its Python twin, one by one),
 and the caller takes their bytes in order as they arrive (``PendingRead``) or all at once (``read``).

@@ -188,7 +188,8 @@ def _bound_line(report: dict) -> str:
     return (f"\nBound per token: {report['demand_bytes_per_token'] / 1e6:.2f} MB of misses at the ceiling "
             f"({b['read_ms']:.2f} ms) plus in-memory's {b['compute_ms']:.2f} ms = {b['bound_ms']:.2f} ms; the engine "
             f"took {b['engine_ms']:.2f} ms = {b['over_bound']:.2f}x its bound and {b['x_inmemory']:.3f}x of in-memory "
-            f"(greedy, {report['repeat']} interleaved rounds, medians; ids {'equal' if b['ids_equal'] else 'NOT equal'})")
+            f"(greedy, {report['repeat']} interleaved rounds, medians; ids "
+            f"{'equal' if b['ids_equal'] else 'NOT equal'})")
 
 
 def _placement_line(p: dict) -> str:
