@@ -59,6 +59,9 @@ SLOT_DTYPE = np.uint32
 #: before it reuses a row. Host memory of STAGING_ROWS experts (57 MB of the real geometry's), where the slot
 #: writes' host arrays made per buffer took as much of the allowance for temporaries.
 STAGING_ROWS = 32
+#: Where O_DIRECT needs aligned memory (Linux), the arrays its reads land in start on a page (``_zeros``): the CPU
+#: backend's pool arrays and the staging rows.
+_O_DIRECT_ALIGNS = sys.platform.startswith("linux")
 
 
 def _to_mx(buf: np.ndarray, dtype: str, shape: tuple) -> mx.array:
@@ -77,11 +80,6 @@ def _zeros(shape: tuple, dtype: mx.Dtype, page_aligned: bool) -> mx.array:
     mx.eval(flat)
     skip = -np.asarray(memoryview(flat)).ctypes.data % ALIGN
     return flat[skip:skip + nbytes].view(dtype).reshape(shape)
-
-
-#: Where O_DIRECT needs aligned memory (Linux): pool arrays the reads land in (the CPU backend's) and staging rows
-#: start on a page.
-_O_DIRECT_ALIGNS = sys.platform.startswith("linux")
 
 
 def flat_routes(routes: List[tuple]) -> mx.array:
@@ -104,8 +102,8 @@ class ExpertPool:
         #: Which expert sits in which slot, and which goes when a slot is needed (``policy.SlotBook``).
         self.book = SlotBook(layers, index.num_experts, capacity, eviction)
         self.capacity = self.book.capacity
-        #: Per layer, per expert tensor name, the pool array (``capacity`` slots).
         page_aligned = _O_DIRECT_ALIGNS and mx.default_device().type == mx.DeviceType.cpu
+        #: Per layer, per expert tensor name, the pool array (``capacity`` slots).
         self.arrays: Dict[int, Dict[str, mx.array]] = {
             layer: {name: _zeros((self.capacity, *shape), _MX_DTYPES[dtype], page_aligned)
                     for name, (dtype, shape) in index.tensor_specs.items()}
