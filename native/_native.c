@@ -83,21 +83,6 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* pread until `want` bytes or end of file; returns bytes read or -1 with errno set. */
-static int64_t pread_full(int fd, unsigned char *buf, int64_t want, int64_t offset) {
-    int64_t total = 0;
-    while (total < want) {
-        ssize_t r = pread(fd, buf + total, (size_t)(want - total), (off_t)(offset + total));
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        if (r == 0) break;
-        total += r;
-    }
-    return total;
-}
-
 /* Set once a read straight into a destination is refused with EFAULT (memory the kernel cannot read into
  * directly, such as some device-managed memory); aligned reads then all go through the bounce buffer. */
 static int in_place_refused = 0;
@@ -111,49 +96,51 @@ static int fits_in_place(const request_t *rq) {
     return 1;
 }
 
-/* Read the pieces in order, in place, from rq->offset: one preadv for them all (a merged read is one system read,
- * one I/O), again from where a short one stopped; sets got and err. */
-static void read_pieces(request_t *rq) {
+/* Fill the pieces in order from `offset`, in place: one preadv for them all (a merged read is one system read,
+ * one I/O), again from where a short one stopped, until they are full or the file ends. Sets *got to the bytes
+ * read; returns 0 or an errno. */
+static int preadv_full(int fd, const piece_t *pieces, Py_ssize_t n_pieces, int64_t offset, int64_t *got) {
     struct iovec iov[IOV_BATCH];
     Py_ssize_t k = 0;  /* the first piece not yet full */
     int64_t into = 0;  /* bytes of piece k already read */
-    int64_t at = 0;
-    while (k < rq->n_pieces) {
+    int err = 0;
+    *got = 0;
+    while (k < n_pieces) {
         int n = 0;
-        for (Py_ssize_t j = k; j < rq->n_pieces && n < IOV_BATCH; j++, n++) {
+        for (Py_ssize_t j = k; j < n_pieces && n < IOV_BATCH; j++, n++) {
             int64_t skip = j == k ? into : 0;
-            iov[n].iov_base = rq->pieces[j].dest + skip;
-            iov[n].iov_len = (size_t)(rq->pieces[j].length - skip);
+            iov[n].iov_base = pieces[j].dest + skip;
+            iov[n].iov_len = (size_t)(pieces[j].length - skip);
         }
-        ssize_t r = preadv(rq->fd, iov, n, (off_t)(rq->offset + at));
+        ssize_t r = preadv(fd, iov, n, (off_t)(offset + *got));
         if (r < 0) {
             if (errno == EINTR) continue;
-            rq->err = errno;
+            err = errno;
             break;
         }
         if (r == 0) break;
-        at += r;
+        *got += r;
         into += r;
-        while (k < rq->n_pieces && into >= rq->pieces[k].length) into -= rq->pieces[k++].length;
+        while (k < n_pieces && into >= pieces[k].length) into -= pieces[k++].length;
     }
-    rq->got = at;
+    return err;
 }
 
 static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_size) {
     if (!rq->aligned) {
-        read_pieces(rq);
+        rq->err = preadv_full(rq->fd, rq->pieces, rq->n_pieces, rq->offset, &rq->got);
         return;
     }
     if (fits_in_place(rq)) {
-        read_pieces(rq);
-        if (rq->err != EINVAL && rq->err != EFAULT) {
+        int err = preadv_full(rq->fd, rq->pieces, rq->n_pieces, rq->offset, &rq->got);
+        if (err != EINVAL && err != EFAULT) {
+            rq->err = err;
             rq->in_place = 1;
             return;
         }
         /* read again through the bounce buffer; EINVAL may be this read's (a short read left the next one
          * unaligned), EFAULT is the memory's */
-        if (rq->err == EFAULT) __atomic_store_n(&in_place_refused, 1, __ATOMIC_RELAXED);
-        rq->err = 0;
+        if (err == EFAULT) __atomic_store_n(&in_place_refused, 1, __ATOMIC_RELAXED);
         rq->got = 0;
     }
     int64_t start = rq->offset - rq->offset % ALIGN;
@@ -167,8 +154,10 @@ static void run_request(request_t *rq, unsigned char **bounce, int64_t *bounce_s
         *bounce = p;
         *bounce_size = span;
     }
-    int64_t r = pread_full(rq->fd, *bounce, span, start);
-    if (r < 0) { rq->err = errno; return; }
+    piece_t whole = {*bounce, span};
+    int64_t r;
+    int err = preadv_full(rq->fd, &whole, 1, start, &r);
+    if (err) { rq->err = err; return; }
     int64_t useful = r - (rq->offset - start);
     if (useful < 0) useful = 0;
     if (useful > rq->length) useful = rq->length;

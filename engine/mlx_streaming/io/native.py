@@ -88,16 +88,6 @@ def py_open_uncached(path: str) -> int:
     raise OSError(errno.ENOTSUP, "no cache-bypass read on this platform", path)
 
 
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
 def _pieces(destination, length: int) -> list:
     """A request's destination as byte views in order (one buffer: its first ``length`` bytes)."""
     if isinstance(destination, (list, tuple)):
@@ -168,7 +158,7 @@ def _read_in_order(requests: Sequence[ReadRequest]) -> Tuple[ReadFailure, int]:
                     span = -(-(offset + length - start) // ALIGN) * ALIGN
                     if bounce is None or len(bounce) < span:
                         bounce = mmap.mmap(-1, span)
-                    raw = _pread_full(fd, memoryview(bounce)[:span], start)
+                    raw = _read_pieces(fd, [memoryview(bounce)[:span]], start)
                     got = min(length, max(0, raw - (offset - start)))
                     at = offset - start
                     for piece in pieces:
